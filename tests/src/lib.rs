@@ -1,0 +1,83 @@
+//! Test harness for ztunnel's privileged integration tests.
+//!
+//! It builds small "clusters" out of network namespaces: a fabric namespace
+//! holding a bridge, a namespace per node, and a namespace per pod whose
+//! `eth0` is a veth into the fabric bridge, each pod with its own cgroup v2
+//! directory. Processes run inside a pod (its namespace and its cgroup) with
+//! a time bound. Everything carries a unique prefix (`zt-<pid>-<n>`) and is
+//! removed on drop, even when the test panics; [`sweep::stale`] removes what
+//! a crashed earlier run left behind, and only that.
+//!
+//! Tests touch only addresses inside namespaces they created (`10.244.0.0/16`
+//! and `fd00:10:244::/64` on the fabric bridge).
+
+pub mod bpffs;
+pub mod cgroup;
+pub mod cluster;
+pub mod netns;
+pub mod process;
+pub mod skip;
+pub mod sweep;
+
+pub use cluster::{Cluster, Pod};
+pub use skip::require_root;
+
+use std::{
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+/// Prefix of every object any test run creates.
+pub const PREFIX: &str = "zt-";
+
+/// A fresh unique prefix for one test: `zt-<pid>-<n>`.
+pub fn unique_prefix() -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{PREFIX}{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Runs a command, panicking with its output if it fails.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a command for cleanup: failures are logged, never panicked on
+/// (panicking inside `Drop` while unwinding would abort the test binary).
+pub fn run_quiet(cmd: &mut Command) {
+    match cmd.output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => eprintln!(
+            "cleanup: {cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        Err(e) => eprintln!("cleanup: cannot run {cmd:?}: {e}"),
+    }
+}
+
+/// Path of the test helper binary (client/server processes run in pods).
+pub fn probe_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // Integration test binaries live in target/<profile>/deps; the helper
+    // binary in target/<profile>.
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let bin = dir.join("zt-probe");
+    assert!(
+        bin.is_file(),
+        "{} missing: build the ztunnel-tests package's binaries",
+        bin.display()
+    );
+    bin
+}

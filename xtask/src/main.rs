@@ -1,0 +1,52 @@
+//! `cargo xtask`: build, test and demo automation for ztunnel-rs.
+//!
+//! - `build-ebpf [--release]`: prepares nightly + bpf-linker, builds the
+//!   kernel object, places it for `ztunnel-userspace` to embed.
+//! - `test`: the one test command (eBPF build, clippy, unit tests,
+//!   privileged integration tests one at a time, summary line).
+
+mod ebpf;
+mod ebpf_artifact;
+mod test;
+mod toolchain;
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "ztunnel-rs build and test automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build the eBPF object (installs rust-src and builds bpf-linker if needed).
+    BuildEbpf {
+        /// Build with the release profile (what tests and the daemon use).
+        #[arg(long)]
+        release: bool,
+    },
+    /// Run every check and test; ends with `N passed, N failed, N skipped`.
+    Test(test::TestArgs),
+}
+
+fn workspace_root() -> Result<PathBuf> {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .map(PathBuf::from)
+        .context("xtask has no parent directory")
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let root = workspace_root()?;
+    match cli.command {
+        Cmd::BuildEbpf { release } => ebpf::build(&root, release),
+        Cmd::Test(args) => test::run(&root, &args),
+    }
+}

@@ -1,0 +1,254 @@
+//! Map names, sizes and the layout of every key and value.
+//!
+//! Who writes and who reads each map is documented next to its name; the
+//! kernel side declares the statics with exactly these names so userspace can
+//! find them with `Ebpf::map_mut(NAME)`.
+
+/// netns cookie (`u64`) -> [`PodCapture`]. Written by userspace on enrolment,
+/// read by `capture_connect4/6` to decide whether a `connect()` is captured.
+pub const MAP_POD_CAPTURE: &str = "POD_CAPTURE";
+/// socket cookie (`u64`) -> [`OrigDst`]. Written by `capture_connect4/6` when
+/// they rewrite a destination; moved into [`MAP_ORIG_DST`] by `capture_sockops`
+/// once the client's local port is known. LRU, so a socket that never
+/// connects cannot leak an entry forever.
+pub const MAP_PENDING_ORIG_DST: &str = "PENDING_ORIG_DST";
+/// [`OrigDstKey`] -> [`OrigDst`]. Written by `capture_sockops` when a captured
+/// socket becomes established; read and deleted by userspace when the outbound
+/// listener accepts the connection. LRU for the same reason as above.
+pub const MAP_ORIG_DST: &str = "ORIG_DST";
+/// Per-CPU array of `u64`, indexed by [`Counter`]. Written by every program,
+/// read (summed over CPUs) by userspace for metrics and tests.
+pub const MAP_COUNTERS: &str = "CAPTURE_COUNTERS";
+/// Destination port (`u16`, host order) -> `u8` (1). Written by userspace from
+/// `--exclude-outbound-ports`; read by `capture_connect4/6`.
+pub const MAP_OUTBOUND_EXCLUDED_PORTS: &str = "OUTBOUND_EXCLUDED_PORTS";
+/// Destination port (`u16`, host order) -> `u8` (1). Written by userspace from
+/// `--exclude-inbound-ports`; read by `capture_ingress`.
+pub const MAP_INBOUND_EXCLUDED_PORTS: &str = "INBOUND_EXCLUDED_PORTS";
+/// LPM trie over [`IpBytes`] (IPv4 as v4-mapped IPv6) -> `u8` (1). Written by
+/// userspace from `--exclude-outbound-cidrs`; read by `capture_connect4/6`.
+pub const MAP_OUTBOUND_EXCLUDED_CIDRS: &str = "OUTBOUND_EXCLUDED_CIDRS";
+/// LPM trie over [`IpBytes`] -> `u8` (1). Written by userspace from
+/// `--exclude-inbound-cidrs` (e.g. the node's health-probe address); read by
+/// `capture_ingress` against the packet's source.
+pub const MAP_INBOUND_EXCLUDED_CIDRS: &str = "INBOUND_EXCLUDED_CIDRS";
+/// [`SockKey`] -> socket. Filled by `capture_sockops` with both ends of each
+/// pod-local leg (application <-> ztunnel listener) when acceleration is on;
+/// `accelerate_local_leg` (`sk_msg`) redirects payload between them.
+pub const MAP_LOCAL_LEG_SOCKETS: &str = "LOCAL_LEG_SOCKETS";
+/// Array with one [`CaptureSettings`]. Written by userspace at start-up; read
+/// by `capture_sockops`.
+pub const MAP_SETTINGS: &str = "CAPTURE_SETTINGS";
+
+/// Enrolled pods per node. Kubernetes' default is 110 pods per node; 4096
+/// leaves room for dense nodes without costing much (16 bytes an entry).
+pub const MAX_PODS: u32 = 4096;
+/// Connections whose original destination is in flight between `connect()`
+/// and ztunnel's `accept()`. Only a burst of simultaneous connects is ever in
+/// here; LRU eviction bounds the rest.
+pub const MAX_PENDING_CONNECTIONS: u32 = 65536;
+/// Sockets in the acceleration map: two per accelerated local leg.
+pub const MAX_LOCAL_LEG_SOCKETS: u32 = 65536;
+/// Configured exclusion entries (ports or CIDRs) per list.
+pub const MAX_EXCLUSIONS: u32 = 1024;
+
+/// An IP address as 16 bytes in network order. IPv4 is stored v4-mapped
+/// (`::ffff:a.b.c.d`) so one key type and one LPM trie serve both families.
+pub type IpBytes = [u8; 16];
+
+/// Capture flags of one enrolled pod, the value of [`MAP_POD_CAPTURE`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodCapture {
+    /// Bit set of `POD_CAPTURE_*`.
+    pub flags: u32,
+    /// Explicit padding so the layout has no holes.
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<PodCapture>() == 8);
+
+/// The pod's outbound `connect()`s are redirected to its outbound listener.
+pub const POD_CAPTURE_OUTBOUND: u32 = 1 << 0;
+/// The pod's inbound connections are steered to ztunnel (informational in the
+/// map: the inbound program is only attached to pods that want it).
+pub const POD_CAPTURE_INBOUND: u32 = 1 << 1;
+
+/// Original destination of a captured connection, the value of
+/// [`MAP_PENDING_ORIG_DST`] and [`MAP_ORIG_DST`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OrigDst {
+    /// Destination address, network order (IPv4 v4-mapped).
+    pub addr: IpBytes,
+    /// Destination port, host order.
+    pub port: u16,
+    /// `AF_INET` or `AF_INET6`: the family the application connected with.
+    pub family: u16,
+    /// Explicit padding.
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<OrigDst>() == 24);
+
+/// Key of [`MAP_ORIG_DST`]: the client end of a captured connection, as the
+/// outbound listener sees it in `accept()`'s peer address, qualified by the
+/// pod's network namespace (every pod has its own 127.0.0.1).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct OrigDstKey {
+    /// Cookie of the pod's network namespace (`SO_NETNS_COOKIE`).
+    pub netns_cookie: u64,
+    /// Client's local address, network order (IPv4 v4-mapped).
+    pub client_addr: IpBytes,
+    /// Client's local port, host order.
+    pub client_port: u16,
+    /// Explicit padding.
+    pub _pad: [u8; 6],
+}
+const _: () = assert!(core::mem::size_of::<OrigDstKey>() == 32);
+
+/// Key of [`MAP_LOCAL_LEG_SOCKETS`]: one end of a pod-local TCP connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockKey {
+    /// Cookie of the network namespace the socket lives in.
+    pub netns_cookie: u64,
+    /// Local address, network order (IPv4 v4-mapped).
+    pub local_addr: IpBytes,
+    /// Remote address, network order (IPv4 v4-mapped).
+    pub remote_addr: IpBytes,
+    /// Local port, host order.
+    pub local_port: u32,
+    /// Remote port, host order.
+    pub remote_port: u32,
+}
+const _: () = assert!(core::mem::size_of::<SockKey>() == 48);
+
+impl SockKey {
+    /// The key under which the other end of the same connection is stored.
+    #[must_use]
+    pub const fn peer(&self) -> Self {
+        Self {
+            netns_cookie: self.netns_cookie,
+            local_addr: self.remote_addr,
+            remote_addr: self.local_addr,
+            local_port: self.remote_port,
+            remote_port: self.local_port,
+        }
+    }
+}
+
+/// Node-wide switches, the single value of [`MAP_SETTINGS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CaptureSettings {
+    /// 1 when `--sockmap on`: pod-local legs are put in the sockhash.
+    pub sockmap_enabled: u32,
+    /// Explicit padding.
+    pub _pad: u32,
+}
+const _: () = assert!(core::mem::size_of::<CaptureSettings>() == 8);
+
+/// Maps an IPv4 address (network-order bytes) into the v4-mapped form.
+#[must_use]
+pub const fn v4_mapped(octets: [u8; 4]) -> IpBytes {
+    [
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, octets[0], octets[1], octets[2], octets[3],
+    ]
+}
+
+/// Indices into [`MAP_COUNTERS`]. Append only: the value is the map index.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// `connect4` invocations for TCP sockets.
+    Connect4Seen = 0,
+    /// `connect6` invocations for TCP sockets.
+    Connect6Seen,
+    /// Connects redirected to an outbound listener.
+    ConnectRedirected,
+    /// Connects let through because the socket carries [`crate::ZTUNNEL_MARK`].
+    ConnectSkippedMark,
+    /// Connects let through because of a configured exclusion or loopback.
+    ConnectExcluded,
+    /// Connects from a namespace that is not enrolled.
+    ConnectNotEnrolled,
+    /// `sock_ops` established callbacks seen.
+    SockopsEstablished,
+    /// Original destinations moved into [`MAP_ORIG_DST`].
+    OrigDstRecorded,
+    /// Sockets put into [`MAP_LOCAL_LEG_SOCKETS`].
+    LocalLegInserted,
+    /// `sk_msg` payloads redirected to the peer socket.
+    LocalLegRedirected,
+    /// `sk_msg` payloads that went the normal way (peer not in the map).
+    LocalLegPassed,
+    /// TCP packets seen by `capture_ingress`.
+    IngressTcpSeen,
+    /// New inbound connections assigned to the plaintext-inbound listener.
+    IngressAssigned,
+    /// SYNs to the HBONE port let through.
+    IngressHbonePassed,
+    /// SYNs let through because of a configured exclusion.
+    IngressExcluded,
+    /// SYNs dropped because no plaintext-inbound listener exists (fail closed).
+    IngressNoListener,
+}
+
+impl Counter {
+    /// Number of counters (the array's size).
+    pub const COUNT: u32 = Self::IngressNoListener as u32 + 1;
+    /// All counters, in index order.
+    pub const ALL: [Self; Self::COUNT as usize] = [
+        Self::Connect4Seen,
+        Self::Connect6Seen,
+        Self::ConnectRedirected,
+        Self::ConnectSkippedMark,
+        Self::ConnectExcluded,
+        Self::ConnectNotEnrolled,
+        Self::SockopsEstablished,
+        Self::OrigDstRecorded,
+        Self::LocalLegInserted,
+        Self::LocalLegRedirected,
+        Self::LocalLegPassed,
+        Self::IngressTcpSeen,
+        Self::IngressAssigned,
+        Self::IngressHbonePassed,
+        Self::IngressExcluded,
+        Self::IngressNoListener,
+    ];
+
+    /// Snake-case name used in metrics and dumps.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Connect4Seen => "connect4_seen",
+            Self::Connect6Seen => "connect6_seen",
+            Self::ConnectRedirected => "connect_redirected",
+            Self::ConnectSkippedMark => "connect_skipped_mark",
+            Self::ConnectExcluded => "connect_excluded",
+            Self::ConnectNotEnrolled => "connect_not_enrolled",
+            Self::SockopsEstablished => "sockops_established",
+            Self::OrigDstRecorded => "orig_dst_recorded",
+            Self::LocalLegInserted => "local_leg_inserted",
+            Self::LocalLegRedirected => "local_leg_redirected",
+            Self::LocalLegPassed => "local_leg_passed",
+            Self::IngressTcpSeen => "ingress_tcp_seen",
+            Self::IngressAssigned => "ingress_assigned",
+            Self::IngressHbonePassed => "ingress_hbone_passed",
+            Self::IngressExcluded => "ingress_excluded",
+            Self::IngressNoListener => "ingress_no_listener",
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod_impls {
+    // SAFETY: all of these are `#[repr(C)]`, `Copy`, contain only integers and
+    // byte arrays, and have explicit padding (checked by the size asserts), so
+    // every bit pattern is valid and there are no uninitialised bytes.
+    unsafe impl aya::Pod for super::PodCapture {}
+    unsafe impl aya::Pod for super::OrigDst {}
+    unsafe impl aya::Pod for super::OrigDstKey {}
+    unsafe impl aya::Pod for super::SockKey {}
+    unsafe impl aya::Pod for super::CaptureSettings {}
+}

@@ -1,0 +1,22 @@
+//! Ports and marks that the kernel programs and the proxy share.
+
+/// Outbound capture listener, inside each enrolled pod (Istio's value).
+pub const OUTBOUND_PORT: u16 = 15001;
+/// Plaintext inbound listener, inside each enrolled pod (Istio's value).
+pub const INBOUND_PLAINTEXT_PORT: u16 = 15006;
+/// HBONE (mTLS + HTTP/2 CONNECT) inbound listener (Istio's value; peers dial it).
+pub const INBOUND_HBONE_PORT: u16 = 15008;
+/// SOCKS5 listener for clients that opt in explicitly.
+pub const SOCKS5_PORT: u16 = 15080;
+
+/// `SO_MARK` carried by every socket ztunnel opens on behalf of a pod.
+/// The capture programs let marked sockets through untouched, which is what
+/// keeps ztunnel's own connections from being redirected back to itself.
+/// Istio's in-pod ztunnel uses the same value (0x539 = 1337), so operators'
+/// existing rules that key on it keep working.
+pub const ZTUNNEL_MARK: u32 = 0x539;
+
+/// `AF_INET` as the kernel reports it in socket contexts.
+pub const AF_INET: u16 = 2;
+/// `AF_INET6` as the kernel reports it in socket contexts.
+pub const AF_INET6: u16 = 10;

@@ -1,0 +1,50 @@
+//! `sk_msg` on `LOCAL_LEG_SOCKETS`: runs on every `sendmsg()` of a socket in
+//! the map and hands the payload straight to the receive queue of the socket
+//! at the other end of the same pod-local connection, skipping TCP/IP on
+//! loopback. When the peer is not (yet) in the map the payload goes the normal
+//! way, so correctness never depends on the map.
+
+use core::mem::MaybeUninit;
+
+use aya_ebpf::{
+    bindings::{BPF_F_INGRESS, sk_action::SK_PASS},
+    helpers::bpf_get_netns_cookie,
+    macros::sk_msg,
+    programs::SkMsgContext,
+};
+use ztunnel_common::{Counter, SockKey};
+
+use crate::{
+    maps::{LOCAL_LEG_SOCKETS, count},
+    net::{SockFields, remote_port_host, snapshot_sk_msg},
+};
+
+#[sk_msg]
+pub fn accelerate_local_leg(ctx: SkMsgContext) -> u32 {
+    let mut fields = MaybeUninit::<SockFields>::uninit();
+    // SAFETY: the live context and a stack slot the function fills entirely.
+    let fields = unsafe {
+        snapshot_sk_msg(ctx.msg, fields.as_mut_ptr());
+        fields.assume_init()
+    };
+    let Some((local, remote)) = fields.addrs() else {
+        return SK_PASS;
+    };
+    // SAFETY: valid context pointer for this helper in sk_msg programs.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.msg.cast()) };
+    let mut peer = SockKey {
+        netns_cookie: netns,
+        local_addr: local,
+        remote_addr: remote,
+        local_port: fields.local_port,
+        remote_port: u32::from(remote_port_host(fields.remote_port)),
+    }
+    .peer();
+    let verdict = LOCAL_LEG_SOCKETS.redirect_msg(&ctx, &mut peer, u64::from(BPF_F_INGRESS));
+    if verdict == i64::from(SK_PASS) {
+        count(Counter::LocalLegRedirected);
+    } else {
+        count(Counter::LocalLegPassed);
+    }
+    SK_PASS
+}

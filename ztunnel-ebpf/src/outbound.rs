@@ -1,0 +1,220 @@
+//! Outbound capture: `cgroup/connect4` and `cgroup/connect6`.
+//!
+//! Runs on every `connect()` made by a process in the attached cgroup (or
+//! below it). A TCP connect from an enrolled pod's network namespace, to a
+//! destination that is not loopback or excluded, by a socket that does not
+//! carry ztunnel's mark, is rewritten to the pod's own outbound listener on
+//! loopback (127.0.0.1:15001, or `[::1]:15001`). The original destination is
+//! stored under the socket's cookie; `capture_sockops` moves it to a key that
+//! ztunnel can compute from `accept()` once the client's port is known.
+//!
+//! The connect is never rejected here: if ztunnel is gone the listener is
+//! gone too and the application gets "connection refused" (fail closed).
+
+use aya_ebpf::{
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use ztunnel_common::{
+    AF_INET, AF_INET6, Counter, IpBytes, OUTBOUND_PORT, OrigDst, POD_CAPTURE_OUTBOUND, ZTUNNEL_MARK,
+};
+
+use crate::{
+    maps::{
+        OUTBOUND_EXCLUDED_CIDRS, OUTBOUND_EXCLUDED_PORTS, PENDING_ORIG_DST, POD_CAPTURE, count,
+        in_cidrs, port_listed,
+    },
+    net::{ip4_key, ip6_key, is_loopback, is_v4_mapped},
+};
+
+/// Verdict that lets the `connect()` proceed (rewritten or not).
+const ALLOW: i32 = 1;
+const IPPROTO_TCP: u32 = 6;
+
+#[cgroup_sock_addr(connect4)]
+pub fn capture_connect4(ctx: SockAddrContext) -> i32 {
+    // SAFETY: the context pointer is valid for the program's run.
+    let _ = unsafe { try_capture(&ctx, false) };
+    ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn capture_connect6(ctx: SockAddrContext) -> i32 {
+    // SAFETY: as above.
+    let _ = unsafe { try_capture(&ctx, true) };
+    ALLOW
+}
+
+/// Decides and, where captured, rewrites. `Err` means "left alone".
+unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
+    let sa = ctx.sock_addr;
+    // SAFETY: `sa` is the kernel's context; the verifier checks each access.
+    let (protocol, sk) = unsafe { (ctx_access::protocol(sa), ctx_access::sk(sa)) };
+    if protocol != IPPROTO_TCP {
+        return Err(());
+    }
+    count(if v6 {
+        Counter::Connect6Seen
+    } else {
+        Counter::Connect4Seen
+    });
+
+    if sk.is_null() {
+        return Err(());
+    }
+    // SAFETY: `sk` is non-null and a full socket in connect hooks.
+    if unsafe { (*sk).mark } == ZTUNNEL_MARK {
+        count(Counter::ConnectSkippedMark);
+        return Err(());
+    }
+
+    // SAFETY: valid context pointer for this helper in sock_addr programs.
+    let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
+    // SAFETY: plain-data value, only read.
+    let Some(pod) = (unsafe { POD_CAPTURE.get(&netns) }) else {
+        count(Counter::ConnectNotEnrolled);
+        return Err(());
+    };
+    if pod.flags & POD_CAPTURE_OUTBOUND == 0 {
+        count(Counter::ConnectNotEnrolled);
+        return Err(());
+    }
+
+    // SAFETY: `sa` is the live context.
+    let (dst, port_be, family) = unsafe {
+        if v6 {
+            (
+                ip6_key(ctx_access::user_ip6(sa)),
+                ctx_access::user_port(sa),
+                AF_INET6,
+            )
+        } else {
+            (
+                ip4_key(ctx_access::user_ip4(sa)),
+                ctx_access::user_port(sa),
+                AF_INET,
+            )
+        }
+    };
+    let port = u16::from_be(port_be as u16);
+    if excluded(&dst, port) {
+        count(Counter::ConnectExcluded);
+        return Err(());
+    }
+
+    let orig = OrigDst {
+        addr: dst,
+        port,
+        family,
+        _pad: 0,
+    };
+    // SAFETY: valid context pointer for this helper in sock_addr programs.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    // Without a record ztunnel could not know where to send the connection,
+    // so only rewrite once the record is stored.
+    PENDING_ORIG_DST.insert(&cookie, &orig, 0).map_err(|_| ())?;
+
+    let listener_port_be = u32::from(OUTBOUND_PORT.to_be());
+    // SAFETY: writes to the user_* fields are what connect hooks are for.
+    unsafe {
+        if v6 {
+            // A v4-mapped destination stays v4-mapped so that a pod with IPv6
+            // disabled still reaches the 127.0.0.1 listener.
+            let words = if is_v4_mapped(&dst) {
+                [
+                    0,
+                    0,
+                    u32::from_ne_bytes([0, 0, 0xff, 0xff]),
+                    u32::from_ne_bytes([127, 0, 0, 1]),
+                ]
+            } else {
+                [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])]
+            };
+            ctx_access::set_user_ip6(sa, &words);
+        } else {
+            ctx_access::set_user_ip4(sa, u32::from_ne_bytes([127, 0, 0, 1]));
+        }
+        ctx_access::set_user_port(sa, listener_port_be);
+    }
+    count(Counter::ConnectRedirected);
+    Ok(())
+}
+
+#[inline(always)]
+fn excluded(dst: &IpBytes, port: u16) -> bool {
+    is_loopback(dst)
+        || port_listed(&OUTBOUND_EXCLUDED_PORTS, port)
+        || in_cidrs(&OUTBOUND_EXCLUDED_CIDRS, *dst)
+}
+
+/// Context accessors. The verifier accepts a context access only as a load or
+/// store of the field's exact size at a constant offset from the context
+/// pointer itself. Inlined into a large function, LLVM likes to keep
+/// `ctx + offset` in a register or on the stack and dereference that, which
+/// the verifier rejects ("dereference of modified ctx ptr"). Out-of-line
+/// functions receive the bare context pointer in R1, so each access is
+/// `*(u32 *)(r1 + off)`.
+mod ctx_access {
+    use aya_ebpf::bindings::{bpf_sock, bpf_sock_addr};
+
+    #[inline(never)]
+    pub unsafe fn protocol(sa: *mut bpf_sock_addr) -> u32 {
+        // SAFETY: caller passes the live context.
+        unsafe { (*sa).protocol }
+    }
+
+    #[inline(never)]
+    pub unsafe fn sk(sa: *mut bpf_sock_addr) -> *mut bpf_sock {
+        // SAFETY: caller passes the live context.
+        unsafe { (*sa).__bindgen_anon_1.sk }
+    }
+
+    #[inline(never)]
+    pub unsafe fn user_ip4(sa: *mut bpf_sock_addr) -> u32 {
+        // SAFETY: caller passes the live context.
+        unsafe { (*sa).user_ip4 }
+    }
+
+    #[inline(never)]
+    pub unsafe fn user_ip6(sa: *mut bpf_sock_addr) -> [u32; 4] {
+        // SAFETY: caller passes the live context.
+        unsafe {
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ]
+        }
+    }
+
+    #[inline(never)]
+    pub unsafe fn user_port(sa: *mut bpf_sock_addr) -> u32 {
+        // SAFETY: caller passes the live context.
+        unsafe { (*sa).user_port }
+    }
+
+    #[inline(never)]
+    pub unsafe fn set_user_ip4(sa: *mut bpf_sock_addr, value: u32) {
+        // SAFETY: caller passes the live context.
+        unsafe { (*sa).user_ip4 = value };
+    }
+
+    #[inline(never)]
+    pub unsafe fn set_user_ip6(sa: *mut bpf_sock_addr, words: &[u32; 4]) {
+        // SAFETY: caller passes the live context.
+        unsafe {
+            (*sa).user_ip6[0] = words[0];
+            (*sa).user_ip6[1] = words[1];
+            (*sa).user_ip6[2] = words[2];
+            (*sa).user_ip6[3] = words[3];
+        }
+    }
+
+    #[inline(never)]
+    pub unsafe fn set_user_port(sa: *mut bpf_sock_addr, value: u32) {
+        // SAFETY: caller passes the live context.
+        unsafe { (*sa).user_port = value };
+    }
+}

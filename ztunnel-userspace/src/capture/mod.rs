@@ -1,0 +1,80 @@
+//! Capture management: attaching the kernel programs, enrolling pods into
+//! the maps, and reading the counters.
+//!
+//! - [`cgroup`]: `connect4`/`connect6`/`sock_ops` on the capture cgroup
+//!   (multi-attach links, pinned), and `sk_msg` on the local-leg sockhash.
+//! - [`tc`]: the ingress program on each enrolled pod's `eth0` (tcx link,
+//!   pinned; or a clsact filter with our own priority and handle).
+//! - [`counters`]: the per-CPU counters, summed.
+
+pub mod cgroup;
+pub mod counters;
+pub mod tc;
+
+use std::{io, path::PathBuf};
+
+/// Errors of capture management; each names the object at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    /// A program could not be attached.
+    #[error("attaching {program} to {target} failed: {}", error_chain(source))]
+    Attach {
+        /// The program.
+        program: &'static str,
+        /// Where it was being attached.
+        target: String,
+        /// What aya or the kernel said.
+        source: aya::programs::ProgramError,
+    },
+    /// A link could not be pinned, opened or updated.
+    #[error("link {path}: {message}")]
+    Link {
+        /// The pin path.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A map is missing or has the wrong type.
+    #[error("map {name}: {message}")]
+    Map {
+        /// The map.
+        name: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// Namespace trouble.
+    #[error(transparent)]
+    Netns(#[from] crate::netns::NetnsError),
+    /// Loader trouble (a program missing from the object).
+    #[error(transparent)]
+    Loader(#[from] crate::loader::LoaderError),
+    /// Opening the cgroup or running `tc` failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        source: io::Error,
+    },
+}
+
+/// Helper: a map error from anything displayable.
+pub(crate) fn map_err(name: &'static str, e: impl std::fmt::Display) -> CaptureError {
+    CaptureError::Map {
+        name,
+        message: e.to_string(),
+    }
+}
+
+/// An error and its sources on one line: aya's syscall errors keep the OS
+/// error (the part an operator needs) in `source()`.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
+}

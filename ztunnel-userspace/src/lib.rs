@@ -1,0 +1,17 @@
+//! ztunnel-rs: an eBPF-accelerated node proxy for sidecar-less meshes.
+//!
+//! Components and how data flows between them:
+//! - [`probe`] checks the kernel; [`loader`] loads the embedded object (from
+//!   `ztunnel-ebpf`) with its maps pinned under [`bpffs`].
+//! - [`capture`] attaches the programs: cgroup hooks on the capture cgroup
+//!   ([`cgroup`] finds it), TC ingress inside each pod's namespace
+//!   ([`netns`] enters it), and reads the kernel counters.
+//! - The kernel programs steer an enrolled pod's connections onto ztunnel's
+//!   listeners inside that pod; the proxy (later issues) carries them.
+
+pub mod bpffs;
+pub mod capture;
+pub mod cgroup;
+pub mod loader;
+pub mod netns;
+pub mod probe;

@@ -1,0 +1,185 @@
+//! Loads the embedded kernel object: probes the kernel, raises memlock,
+//! reuses or creates the pinned maps, loads every program, and keeps the
+//! aya-log reader alive, draining kernel log records into `tracing`.
+
+use std::{
+    os::fd::{AsFd as _, AsRawFd as _},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{CgroupSockAddr, SchedClassifier, SkMsg, SockOps},
+};
+
+use crate::{
+    bpffs::{BpffsError, PinRoot},
+    probe::{self, ProbeError},
+};
+
+/// The kernel object built by `cargo xtask build-ebpf`.
+pub static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ztunnel-ebpf.o"));
+
+/// Program names in the object (the Rust function names).
+pub mod program {
+    /// `cgroup/connect4`.
+    pub const CONNECT4: &str = "capture_connect4";
+    /// `cgroup/connect6`.
+    pub const CONNECT6: &str = "capture_connect6";
+    /// `sockops`.
+    pub const SOCKOPS: &str = "capture_sockops";
+    /// `sk_msg` on the local-leg sockhash.
+    pub const SK_MSG: &str = "accelerate_local_leg";
+    /// TC ingress on pod `eth0`.
+    pub const INGRESS: &str = "capture_ingress";
+}
+
+/// Errors of loading.
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderError {
+    /// The kernel is not fit to run us.
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    /// The pin folder is unusable.
+    #[error(transparent)]
+    Bpffs(#[from] BpffsError),
+    /// aya could not load the object (verifier, map creation, ...).
+    #[error("loading the eBPF object failed: {0}")]
+    Load(#[from] aya::EbpfError),
+    /// A program could not be loaded into the kernel.
+    #[error("loading program {name} failed: {source}")]
+    Program {
+        /// The program.
+        name: &'static str,
+        /// What aya said (includes the verifier log).
+        source: aya::programs::ProgramError,
+    },
+    /// The object lacks something we expect (a build mismatch).
+    #[error("the embedded eBPF object has no {0}: rebuild with `cargo xtask build-ebpf`")]
+    Missing(String),
+}
+
+/// The loaded object plus its log reader.
+pub struct KernelPrograms {
+    /// aya's handle: programs, maps.
+    pub ebpf: Ebpf,
+    log_stop: Arc<AtomicBool>,
+    log_thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for KernelPrograms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelPrograms").finish_non_exhaustive()
+    }
+}
+
+impl Drop for KernelPrograms {
+    fn drop(&mut self) {
+        self.log_stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.log_thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Raises `RLIMIT_MEMLOCK` for kernels that still charge BPF memory to it
+/// (before 5.11); harmless elsewhere.
+fn raise_memlock() {
+    let limit = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: plain setrlimit(2) with a valid struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &raw const limit) } != 0 {
+        tracing::debug!("could not raise RLIMIT_MEMLOCK; fine on kernels >= 5.11");
+    }
+}
+
+/// Probes the kernel and loads every program, with maps pinned under `pins`.
+pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
+    probe::check_kernel()?;
+    raise_memlock();
+    let mut ebpf = EbpfLoader::new()
+        .default_map_pin_directory(pins.maps())
+        .load(EBPF_OBJECT)?;
+
+    let (log_stop, log_thread) = start_log_reader(&mut ebpf);
+
+    for name in [program::CONNECT4, program::CONNECT6] {
+        let prog: &mut CgroupSockAddr = program_mut(&mut ebpf, name)?;
+        prog.load()
+            .map_err(|source| LoaderError::Program { name, source })?;
+    }
+    let prog: &mut SockOps = program_mut(&mut ebpf, program::SOCKOPS)?;
+    prog.load().map_err(|source| LoaderError::Program {
+        name: program::SOCKOPS,
+        source,
+    })?;
+    let prog: &mut SkMsg = program_mut(&mut ebpf, program::SK_MSG)?;
+    prog.load().map_err(|source| LoaderError::Program {
+        name: program::SK_MSG,
+        source,
+    })?;
+    let prog: &mut SchedClassifier = program_mut(&mut ebpf, program::INGRESS)?;
+    prog.load().map_err(|source| LoaderError::Program {
+        name: program::INGRESS,
+        source,
+    })?;
+
+    Ok(KernelPrograms {
+        ebpf,
+        log_stop,
+        log_thread,
+    })
+}
+
+/// Looks a program up by name and converts it to its concrete type.
+pub fn program_mut<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, LoaderError>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program>,
+{
+    ebpf.program_mut(name)
+        .ok_or_else(|| LoaderError::Missing(format!("program {name}")))?
+        .try_into()
+        .map_err(|_| LoaderError::Missing(format!("program {name} of the expected type")))
+}
+
+/// Starts the thread that drains aya-log records into `log` (and so into
+/// `tracing`). The logger must live as long as the programs: dropping it
+/// closes the log map and breaks later loads.
+fn start_log_reader(ebpf: &mut Ebpf) -> (Arc<AtomicBool>, Option<JoinHandle<()>>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut logger = match aya_log::EbpfLogger::init(ebpf) {
+        Ok(logger) => logger,
+        Err(error) => {
+            tracing::warn!(%error, "kernel program logs unavailable");
+            return (stop, None);
+        }
+    };
+    let flag = Arc::clone(&stop);
+    let thread = std::thread::Builder::new()
+        .name("ebpf-log".into())
+        .spawn(move || {
+            let fd = logger.as_fd().as_raw_fd();
+            while !flag.load(Ordering::Relaxed) {
+                let mut pfd = libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd; bounded wait so stop is noticed.
+                let ready = unsafe { libc::poll(&raw mut pfd, 1, 200) };
+                if ready > 0 {
+                    logger.flush();
+                }
+            }
+            logger.flush();
+        })
+        .ok();
+    (stop, thread)
+}
