@@ -86,7 +86,22 @@ pub struct Cluster {
     fabric: TestNetns,
     cgroup: TestCgroup,
     bpffs: TestBpffs,
+    dir: TestDir,
     veths: u32,
+}
+
+/// A scratch folder for config files, sockets and logs; removed on drop.
+#[derive(Debug)]
+struct TestDir(PathBuf);
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            eprintln!("cleanup: cannot remove {}: {e}", self.0.display());
+        }
+    }
 }
 
 impl Cluster {
@@ -96,6 +111,9 @@ impl Cluster {
         crate::sweep::stale();
         let prefix = unique_prefix();
         let bpffs = TestBpffs::mount(&prefix);
+        let dir = PathBuf::from(crate::sweep::SCRATCH_PARENT).join(&prefix);
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        let dir = TestDir(dir);
         let cgroup = TestCgroup::create(&prefix);
         let fabric = TestNetns::create(&format!("{prefix}-fabric"));
         fabric.ip(&["link", "add", BRIDGE, "type", "bridge"]);
@@ -107,6 +125,7 @@ impl Cluster {
             fabric,
             cgroup,
             bpffs,
+            dir,
             veths: 0,
         }
     }
@@ -125,6 +144,11 @@ impl Cluster {
     /// The cluster's private bpffs mount.
     pub fn bpffs(&self) -> &TestBpffs {
         &self.bpffs
+    }
+
+    /// Scratch folder for config files, sockets and logs.
+    pub fn dir(&self) -> &Path {
+        &self.dir.0
     }
 
     /// The fabric namespace.

@@ -14,10 +14,12 @@
 pub mod bpffs;
 pub mod cgroup;
 pub mod cluster;
+pub mod flows;
 pub mod netns;
 pub mod process;
 pub mod skip;
 pub mod sweep;
+pub mod ztunnel;
 
 pub use cluster::{Cluster, Pod};
 pub use skip::require_root;

@@ -69,6 +69,27 @@ impl PodProcess {
         }
     }
 
+    /// Spawns `cmd` with the stdio it already has configured.
+    pub fn spawn_with_io(name: &str, mut cmd: Command) -> Self {
+        cmd.stdin(Stdio::null());
+        let child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        Self {
+            name: name.to_owned(),
+            child: Some(child),
+        }
+    }
+
+    /// Whether the process has not exited yet.
+    pub fn is_running(&self) -> bool {
+        self.child.as_ref().is_some_and(|c| {
+            // SAFETY: kill(pid, 0) only checks for existence.
+            let alive = unsafe { libc::kill(c.id() as i32, 0) } == 0;
+            let status =
+                std::fs::read_to_string(format!("/proc/{}/stat", c.id())).unwrap_or_default();
+            alive && !status.contains(") Z ")
+        })
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)

@@ -7,6 +7,9 @@ use std::{fs, path::Path, process::Command};
 
 use crate::{PREFIX, bpffs, cgroup, run_quiet};
 
+/// Parent of every test's scratch folder.
+pub const SCRATCH_PARENT: &str = "/tmp/ztunnel-tests";
+
 /// The pid encoded in `zt-<pid>-...`, if the name has our shape.
 fn owner_pid(name: &str) -> Option<i32> {
     name.strip_prefix(PREFIX)?.split('-').next()?.parse().ok()
@@ -39,6 +42,14 @@ pub fn stale() {
                     }
                 }
                 cgroup::remove_cgroup(&e.path());
+            }
+        }
+    }
+    if let Ok(entries) = fs::read_dir(SCRATCH_PARENT) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if is_stale(&name) {
+                let _ = fs::remove_dir_all(e.path());
             }
         }
     }

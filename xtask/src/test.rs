@@ -166,6 +166,22 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         "unit tests",
     )?;
 
+    // The integration tests run the real `ztunnel` binary and the `zt-probe`
+    // helper; build both first so a stale binary is never tested.
+    check(
+        workspace,
+        "build binaries",
+        &[
+            "build",
+            "-p",
+            "ztunnel-userspace",
+            "-p",
+            "ztunnel-tests",
+            "--bins",
+        ],
+        &mut tally,
+    )?;
+
     // Privileged integration tests, one at a time.
     let skip_log = workspace.join("target").join("xtask-skipped.log");
     let _ = std::fs::remove_file(&skip_log);

@@ -8,10 +8,11 @@
 /// read by `capture_connect4/6` to decide whether a `connect()` is captured.
 pub const MAP_POD_CAPTURE: &str = "POD_CAPTURE";
 /// socket cookie (`u64`) -> [`OrigDst`]. Written by `capture_connect4/6` when
-/// they rewrite a destination; moved into [`MAP_ORIG_DST`] by `capture_sockops`
-/// once the client's local port is known. LRU, so a socket that never
-/// connects cannot leak an entry forever.
-pub const MAP_PENDING_ORIG_DST: &str = "PENDING_ORIG_DST";
+/// they rewrite a destination; copied into [`MAP_ORIG_DST`] by
+/// `capture_sockops` once the client's local port is known, and read by
+/// `capture_getpeername4/6` so the application's `getpeername()` shows the
+/// destination it asked for. LRU: entries of closed sockets age out.
+pub const MAP_ORIG_DST_BY_COOKIE: &str = "ORIG_DST_BY_COOKIE";
 /// [`OrigDstKey`] -> [`OrigDst`]. Written by `capture_sockops` when a captured
 /// socket becomes established; read and deleted by userspace when the outbound
 /// listener accepts the connection. LRU for the same reason as above.
@@ -36,6 +37,13 @@ pub const MAP_INBOUND_EXCLUDED_CIDRS: &str = "INBOUND_EXCLUDED_CIDRS";
 /// pod-local leg (application <-> ztunnel listener) when acceleration is on;
 /// `accelerate_local_leg` (`sk_msg`) redirects payload between them.
 pub const MAP_LOCAL_LEG_SOCKETS: &str = "LOCAL_LEG_SOCKETS";
+/// [`SockKey`] of a sending socket -> `u8` (1). Written by
+/// `accelerate_local_leg` the first time a payload of that socket could not
+/// be redirected (the peer was not in the sockhash yet) and so went through
+/// TCP; from then on that direction always uses TCP. Mixing the two paths in
+/// one direction could reorder bytes at the receiver, which reads the
+/// redirected queue first. LRU, so closed sockets age out.
+pub const MAP_LOCAL_LEG_TCP_ONLY: &str = "LOCAL_LEG_TCP_ONLY";
 /// Array with one [`CaptureSettings`]. Written by userspace at start-up; read
 /// by `capture_sockops`.
 pub const MAP_SETTINGS: &str = "CAPTURE_SETTINGS";
@@ -74,7 +82,7 @@ pub const POD_CAPTURE_OUTBOUND: u32 = 1 << 0;
 pub const POD_CAPTURE_INBOUND: u32 = 1 << 1;
 
 /// Original destination of a captured connection, the value of
-/// [`MAP_PENDING_ORIG_DST`] and [`MAP_ORIG_DST`].
+/// [`MAP_ORIG_DST_BY_COOKIE`] and [`MAP_ORIG_DST`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OrigDst {
@@ -172,6 +180,8 @@ pub enum Counter {
     ConnectExcluded,
     /// Connects from a namespace that is not enrolled.
     ConnectNotEnrolled,
+    /// `getpeername()` answers rewritten back to the original destination.
+    PeernameRestored,
     /// `sock_ops` established callbacks seen.
     SockopsEstablished,
     /// Original destinations moved into [`MAP_ORIG_DST`].
@@ -205,6 +215,7 @@ impl Counter {
         Self::ConnectSkippedMark,
         Self::ConnectExcluded,
         Self::ConnectNotEnrolled,
+        Self::PeernameRestored,
         Self::SockopsEstablished,
         Self::OrigDstRecorded,
         Self::LocalLegInserted,
@@ -227,6 +238,7 @@ impl Counter {
             Self::ConnectSkippedMark => "connect_skipped_mark",
             Self::ConnectExcluded => "connect_excluded",
             Self::ConnectNotEnrolled => "connect_not_enrolled",
+            Self::PeernameRestored => "peername_restored",
             Self::SockopsEstablished => "sockops_established",
             Self::OrigDstRecorded => "orig_dst_recorded",
             Self::LocalLegInserted => "local_leg_inserted",

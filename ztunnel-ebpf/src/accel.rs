@@ -2,7 +2,8 @@
 //! the map and hands the payload straight to the receive queue of the socket
 //! at the other end of the same pod-local connection, skipping TCP/IP on
 //! loopback. When the peer is not (yet) in the map the payload goes the normal
-//! way, so correctness never depends on the map.
+//! way, and that direction of the connection stays on TCP from then on
+//! (`LOCAL_LEG_TCP_ONLY`), so bytes are never reordered.
 
 use core::mem::MaybeUninit;
 
@@ -15,7 +16,7 @@ use aya_ebpf::{
 use ztunnel_common::{Counter, SockKey};
 
 use crate::{
-    maps::{LOCAL_LEG_SOCKETS, count},
+    maps::{LOCAL_LEG_SOCKETS, LOCAL_LEG_TCP_ONLY, count},
     net::{SockFields, remote_port_host, snapshot_sk_msg},
 };
 
@@ -32,18 +33,26 @@ pub fn accelerate_local_leg(ctx: SkMsgContext) -> u32 {
     };
     // SAFETY: valid context pointer for this helper in sk_msg programs.
     let netns = unsafe { bpf_get_netns_cookie(ctx.msg.cast()) };
-    let mut peer = SockKey {
+    let me = SockKey {
         netns_cookie: netns,
         local_addr: local,
         remote_addr: remote,
         local_port: fields.local_port,
         remote_port: u32::from(remote_port_host(fields.remote_port)),
+    };
+    // SAFETY: plain-data value, only tested for presence.
+    if unsafe { LOCAL_LEG_TCP_ONLY.get(&me) }.is_some() {
+        count(Counter::LocalLegPassed);
+        return SK_PASS;
     }
-    .peer();
+    let mut peer = me.peer();
     let verdict = LOCAL_LEG_SOCKETS.redirect_msg(&ctx, &mut peer, u64::from(BPF_F_INGRESS));
     if verdict == i64::from(SK_PASS) {
         count(Counter::LocalLegRedirected);
     } else {
+        // Once bytes of this direction went through TCP, later bytes must
+        // too, or the receiver could read them out of order.
+        let _ = LOCAL_LEG_TCP_ONLY.insert(&me, &1, 0);
         count(Counter::LocalLegPassed);
     }
     SK_PASS

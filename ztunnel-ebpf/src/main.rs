@@ -2,8 +2,8 @@
 //!
 //! | program                | hook                     | reads                                   | writes                         |
 //! |------------------------|--------------------------|-----------------------------------------|--------------------------------|
-//! | `capture_connect4/6`   | `cgroup/connect4`/`6`    | `POD_CAPTURE`, exclusions, socket mark  | `PENDING_ORIG_DST`, the dst    |
-//! | `capture_sockops`      | `sockops` (cgroup)       | `PENDING_ORIG_DST`, `CAPTURE_SETTINGS`  | `ORIG_DST`, `LOCAL_LEG_SOCKETS`|
+//! | `capture_connect4/6`   | `cgroup/connect4`/`6`    | `POD_CAPTURE`, exclusions, socket mark  | `ORIG_DST_BY_COOKIE`, the dst    |
+//! | `capture_sockops`      | `sockops` (cgroup)       | `ORIG_DST_BY_COOKIE`, `CAPTURE_SETTINGS`  | `ORIG_DST`, `LOCAL_LEG_SOCKETS`|
 //! | `accelerate_local_leg` | `sk_msg` on the sockhash | `LOCAL_LEG_SOCKETS`                     | (redirects payload)            |
 //! | `capture_ingress`      | TC ingress on pod `eth0` | packet headers, exclusions, sockets     | `bpf_sk_assign` to 15006       |
 //!

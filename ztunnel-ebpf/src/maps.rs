@@ -19,8 +19,8 @@ const NO_PREALLOC: u32 = 1;
 #[map(name = "POD_CAPTURE")]
 pub static POD_CAPTURE: HashMap<u64, PodCapture> = HashMap::pinned(MAX_PODS, 0);
 
-#[map(name = "PENDING_ORIG_DST")]
-pub static PENDING_ORIG_DST: LruHashMap<u64, OrigDst> =
+#[map(name = "ORIG_DST_BY_COOKIE")]
+pub static ORIG_DST_BY_COOKIE: LruHashMap<u64, OrigDst> =
     LruHashMap::pinned(MAX_PENDING_CONNECTIONS, 0);
 
 #[map(name = "ORIG_DST")]
@@ -46,6 +46,10 @@ pub static INBOUND_EXCLUDED_CIDRS: LpmTrie<IpBytes, u8> =
 
 #[map(name = "LOCAL_LEG_SOCKETS")]
 pub static LOCAL_LEG_SOCKETS: SockHash<SockKey> = SockHash::pinned(MAX_LOCAL_LEG_SOCKETS, 0);
+
+#[map(name = "LOCAL_LEG_TCP_ONLY")]
+pub static LOCAL_LEG_TCP_ONLY: LruHashMap<SockKey, u8> =
+    LruHashMap::pinned(MAX_LOCAL_LEG_SOCKETS, 0);
 
 #[map(name = "CAPTURE_SETTINGS")]
 pub static CAPTURE_SETTINGS: Array<CaptureSettings> = Array::pinned(1, 0);

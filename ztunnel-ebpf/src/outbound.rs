@@ -22,7 +22,7 @@ use ztunnel_common::{
 
 use crate::{
     maps::{
-        OUTBOUND_EXCLUDED_CIDRS, OUTBOUND_EXCLUDED_PORTS, PENDING_ORIG_DST, POD_CAPTURE, count,
+        ORIG_DST_BY_COOKIE, OUTBOUND_EXCLUDED_CIDRS, OUTBOUND_EXCLUDED_PORTS, POD_CAPTURE, count,
         in_cidrs, port_listed,
     },
     net::{ip4_key, ip6_key, is_loopback, is_v4_mapped},
@@ -113,7 +113,9 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
     // Without a record ztunnel could not know where to send the connection,
     // so only rewrite once the record is stored.
-    PENDING_ORIG_DST.insert(&cookie, &orig, 0).map_err(|_| ())?;
+    ORIG_DST_BY_COOKIE
+        .insert(&cookie, &orig, 0)
+        .map_err(|_| ())?;
 
     let listener_port_be = u32::from(OUTBOUND_PORT.to_be());
     // SAFETY: writes to the user_* fields are what connect hooks are for.
@@ -138,6 +140,55 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         ctx_access::set_user_port(sa, listener_port_be);
     }
     count(Counter::ConnectRedirected);
+    Ok(())
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn capture_getpeername4(ctx: SockAddrContext) -> i32 {
+    // SAFETY: the context pointer is valid for the program's run.
+    let _ = unsafe { restore_peername(&ctx, false) };
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn capture_getpeername6(ctx: SockAddrContext) -> i32 {
+    // SAFETY: as above.
+    let _ = unsafe { restore_peername(&ctx, true) };
+    ALLOW
+}
+
+/// `getpeername()` of a captured socket would reveal the outbound listener
+/// (127.0.0.1:15001); answer with the destination the application asked
+/// for, so that nothing in the application can tell it was redirected.
+unsafe fn restore_peername(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
+    let sa = ctx.sock_addr;
+    // SAFETY: valid context pointer for this helper in sock_addr programs.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    // SAFETY: plain-data value, copied out.
+    let orig = unsafe { ORIG_DST_BY_COOKIE.get(&cookie) }
+        .copied()
+        .ok_or(())?;
+    // SAFETY: writes to the user_* fields are what these hooks are for.
+    unsafe {
+        if v6 {
+            let b = orig.addr;
+            let words = [
+                u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+                u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+                u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
+                u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
+            ];
+            ctx_access::set_user_ip6(sa, &words);
+        } else {
+            if !is_v4_mapped(&orig.addr) {
+                return Err(());
+            }
+            let b = orig.addr;
+            ctx_access::set_user_ip4(sa, u32::from_ne_bytes([b[12], b[13], b[14], b[15]]));
+        }
+        ctx_access::set_user_port(sa, u32::from(orig.port.to_be()));
+    }
+    count(Counter::PeernameRestored);
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 //!
 //! - Active side of a captured connection: the client's local port is now
 //!   known, so the original destination recorded by `capture_connect4/6`
-//!   under the socket cookie is moved to `ORIG_DST`, keyed by what ztunnel's
+//!   under the socket cookie is copied to `ORIG_DST`, keyed by what ztunnel's
 //!   `accept()` sees as the peer address (plus the pod's netns cookie).
 //! - With `--sockmap on`, both ends of a pod-local leg (the application and
 //!   ztunnel's outbound listener, over loopback) go into `LOCAL_LEG_SOCKETS`,
@@ -20,7 +20,7 @@ use core::mem::MaybeUninit;
 use ztunnel_common::{Counter, OUTBOUND_PORT, OrigDstKey, SockKey};
 
 use crate::{
-    maps::{LOCAL_LEG_SOCKETS, ORIG_DST, PENDING_ORIG_DST, POD_CAPTURE, count, sockmap_enabled},
+    maps::{LOCAL_LEG_SOCKETS, ORIG_DST, ORIG_DST_BY_COOKIE, POD_CAPTURE, count, sockmap_enabled},
     net::{SockFields, is_loopback, remote_port_host, snapshot_sock_ops, sock_ops_op},
 };
 
@@ -59,7 +59,7 @@ unsafe fn try_capture_sockops(ctx: &SockOpsContext) -> Result<(), ()> {
         // SAFETY: valid context pointer for this helper in sock_ops programs.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
         // SAFETY: plain-data value, copied out before the entry is removed.
-        if let Some(orig) = unsafe { PENDING_ORIG_DST.get(&cookie) }.copied() {
+        if let Some(orig) = unsafe { ORIG_DST_BY_COOKIE.get(&cookie) }.copied() {
             let key = OrigDstKey {
                 netns_cookie: netns,
                 client_addr: local,
@@ -69,7 +69,7 @@ unsafe fn try_capture_sockops(ctx: &SockOpsContext) -> Result<(), ()> {
             if ORIG_DST.insert(&key, &orig, 0).is_ok() {
                 count(Counter::OrigDstRecorded);
             }
-            let _ = PENDING_ORIG_DST.remove(&cookie);
+            // The by-cookie entry stays: getpeername() still needs it.
         }
     }
 

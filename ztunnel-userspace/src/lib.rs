@@ -9,9 +9,13 @@
 //! - The kernel programs steer an enrolled pod's connections onto ztunnel's
 //!   listeners inside that pod; the proxy (later issues) carries them.
 
+pub mod app;
 pub mod bpffs;
 pub mod capture;
 pub mod cgroup;
+pub mod enrol;
 pub mod loader;
 pub mod netns;
 pub mod probe;
+pub mod proxy;
+pub mod state;

@@ -31,6 +31,10 @@ pub mod program {
     pub const CONNECT4: &str = "capture_connect4";
     /// `cgroup/connect6`.
     pub const CONNECT6: &str = "capture_connect6";
+    /// `cgroup/getpeername4`.
+    pub const GETPEERNAME4: &str = "capture_getpeername4";
+    /// `cgroup/getpeername6`.
+    pub const GETPEERNAME6: &str = "capture_getpeername6";
     /// `sockops`.
     pub const SOCKOPS: &str = "capture_sockops";
     /// `sk_msg` on the local-leg sockhash.
@@ -110,7 +114,12 @@ pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
 
     let (log_stop, log_thread) = start_log_reader(&mut ebpf);
 
-    for name in [program::CONNECT4, program::CONNECT6] {
+    for name in [
+        program::CONNECT4,
+        program::CONNECT6,
+        program::GETPEERNAME4,
+        program::GETPEERNAME6,
+    ] {
         let prog: &mut CgroupSockAddr = program_mut(&mut ebpf, name)?;
         prog.load()
             .map_err(|source| LoaderError::Program { name, source })?;

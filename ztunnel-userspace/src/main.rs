@@ -1,12 +1,20 @@
 //! The `ztunnel` binary: argument parsing and start-up; everything else is
 //! in the library.
 
-use std::path::PathBuf;
+use std::{path::PathBuf, time::Duration};
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
-use ztunnel::{bpffs::PinRoot, capture, cgroup, loader, probe};
+use ztunnel::{
+    app,
+    capture::{self, maps::Cidr},
+    enrol::zds::{
+        self, AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, WorkloadInfo, WorkloadRequest,
+        workload_request::Payload,
+    },
+    probe,
+};
 
 /// Default pin folder on bpffs.
 const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ztunnel";
@@ -30,10 +38,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Load and attach the kernel programs and run until SIGINT/SIGTERM.
-    Run(RunArgs),
+    /// Run the node proxy until SIGINT/SIGTERM.
+    Run(Box<RunArgs>),
     /// Check that this kernel has every hook ztunnel needs, and exit.
     Probe,
+    /// Enrol or remove pods in a running ztunnel over its enrolment socket.
+    Enrol(EnrolArgs),
 }
 
 #[derive(clap::Args)]
@@ -47,17 +57,95 @@ struct RunArgs {
     #[arg(long, env = "ZTUNNEL_BPFFS", default_value = DEFAULT_BPFFS)]
     bpffs: PathBuf,
     /// Move payload between an app and its pod's ztunnel listener with
-    /// sk_msg/sockhash instead of loopback TCP.
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    /// sk_msg/sockhash instead of loopback TCP. Off by default: on current
+    /// kernels a socket in a sockhash can return EAGAIN from a blocking
+    /// read when another thread writes to it at the same time, which breaks
+    /// thread-per-connection applications (event-loop applications are
+    /// unaffected). See docs/sockmap.md.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
     sockmap: OnOff,
     /// How to attach TC programs: tcx links (>= 6.6) or clsact filters.
     #[arg(long, value_enum, default_value_t = capture::tc::TcMode::Auto)]
     tc_mode: capture::tc::TcMode,
-    /// On exit, remove every pin (and so every attachment) ztunnel made.
-    /// Without it, attachments stay so that capture fails closed and a
-    /// restarted ztunnel takes over without a window.
+    /// On exit, remove every attachment and pin ztunnel made. Without it
+    /// they stay (while pods are enrolled) so that capture fails closed and
+    /// a restarted ztunnel takes over without a window.
     #[arg(long)]
     cleanup: bool,
+    /// Local-mode config file (workloads; watched for changes).
+    #[arg(long, env = "ZTUNNEL_CONFIG")]
+    config: Option<PathBuf>,
+    /// This node's name: workloads whose `node` matches (and that have a
+    /// `netns`) are enrolled.
+    #[arg(long, env = "NODE_NAME", default_value = "node")]
+    node_name: String,
+    /// Outbound destination ports never captured (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    exclude_outbound_ports: Vec<u16>,
+    /// Outbound destination CIDRs never captured (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    exclude_outbound_cidrs: Vec<Cidr>,
+    /// Inbound destination ports never captured (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    exclude_inbound_ports: Vec<u16>,
+    /// Inbound source CIDRs never captured, e.g. the node's health-probe
+    /// address (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    exclude_inbound_cidrs: Vec<Cidr>,
+    /// Enrolment socket (ZDS protocol) for CNI plugins and `ztunnel enrol`.
+    #[arg(long, default_value = zds::DEFAULT_SOCKET)]
+    enrol_socket: PathBuf,
+    /// Seconds to wait for pods to be re-enrolled after a restart before the
+    /// kernel state left for them is removed.
+    #[arg(long, default_value_t = 10)]
+    reconcile_grace: u64,
+    /// Data-plane worker threads.
+    #[arg(long, default_value_t = 2)]
+    worker_threads: usize,
+}
+
+#[derive(clap::Args)]
+struct EnrolArgs {
+    /// The daemon's enrolment socket.
+    #[arg(long, default_value = zds::DEFAULT_SOCKET)]
+    socket: PathBuf,
+    #[command(subcommand)]
+    action: EnrolAction,
+}
+
+#[derive(Subcommand)]
+enum EnrolAction {
+    /// Enrol a pod: its network namespace is passed to the daemon as an fd.
+    Add {
+        /// Pod uid.
+        #[arg(long)]
+        uid: String,
+        /// Path of the pod's network namespace (e.g. /var/run/netns/pod).
+        #[arg(long)]
+        netns: PathBuf,
+        /// Pod name.
+        #[arg(long, default_value = "")]
+        name: String,
+        /// Kubernetes namespace.
+        #[arg(long, default_value = "")]
+        namespace: String,
+        /// Service account.
+        #[arg(long, default_value = "")]
+        service_account: String,
+    },
+    /// Remove a pod.
+    Del {
+        /// Pod uid.
+        #[arg(long)]
+        uid: String,
+    },
+    /// Declare the complete set of pods: every socket-enrolled pod not named
+    /// here is removed.
+    Snapshot {
+        /// Pod uids that stay.
+        #[arg(long)]
+        keep: Vec<String>,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -70,6 +158,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_new(&cli.log).context("invalid --log filter")?)
+        .with_writer(std::io::stderr)
         .init();
     match cli.command {
         Command::Probe => {
@@ -78,47 +167,85 @@ fn main() -> Result<()> {
             println!("kernel ok: every required hook is available (TC attach mode: {mode:?})");
             Ok(())
         }
-        Command::Run(args) => run(&args),
+        Command::Run(args) => Ok(app::run(&settings(*args))?),
+        Command::Enrol(args) => enrol(args),
     }
 }
 
-fn run(args: &RunArgs) -> Result<()> {
-    let cgroup_dir = match &args.cgroup {
-        Some(dir) => dir.clone(),
-        None => cgroup::cgroup2_mount()?,
-    };
-    cgroup::validate(&cgroup_dir)?;
-    let pins = PinRoot::prepare(&args.bpffs)?;
-    let mut programs = loader::load(&pins)?;
-    let attached = capture::cgroup::attach(
-        &mut programs.ebpf,
-        &pins,
-        &cgroup_dir,
-        args.sockmap == OnOff::On,
-    )?;
-    tracing::info!(
-        cgroup = %attached.cgroup.display(),
-        took_over = attached.took_over,
-        "capture programs attached"
-    );
-
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        anyhow::Ok(())
-    })?;
-
-    if args.cleanup {
-        capture::cgroup::unpin(&pins)?;
-        drop(programs);
-        pins.remove_all()?;
-        tracing::info!("cleaned up: no pins left under {}", args.bpffs.display());
+/// Flags to settings: a pure mapping, kept apart from reading them.
+fn settings(args: RunArgs) -> app::Settings {
+    app::Settings {
+        cgroup: args.cgroup,
+        bpffs: args.bpffs,
+        sockmap: args.sockmap == OnOff::On,
+        tc_mode: args.tc_mode,
+        cleanup: args.cleanup,
+        config: args.config,
+        node_name: args.node_name,
+        exclusions: capture::maps::Exclusions {
+            outbound_ports: args.exclude_outbound_ports,
+            outbound_cidrs: args.exclude_outbound_cidrs,
+            inbound_ports: args.exclude_inbound_ports,
+            inbound_cidrs: args.exclude_inbound_cidrs,
+        },
+        enrol_socket: Some(args.enrol_socket),
+        reconcile_grace: Duration::from_secs(args.reconcile_grace),
+        worker_threads: args.worker_threads,
     }
+}
+
+fn enrol(args: EnrolArgs) -> Result<()> {
+    let requests = match args.action {
+        EnrolAction::Add {
+            uid,
+            netns,
+            name,
+            namespace,
+            service_account,
+        } => {
+            let fd: std::os::fd::OwnedFd = std::fs::File::open(&netns)
+                .with_context(|| format!("cannot open network namespace {}", netns.display()))?
+                .into();
+            let info = WorkloadInfo {
+                name,
+                namespace,
+                service_account,
+            };
+            vec![(
+                WorkloadRequest {
+                    payload: Some(Payload::Add(AddWorkload {
+                        uid,
+                        workload_info: Some(info),
+                    })),
+                },
+                Some(fd),
+            )]
+        }
+        EnrolAction::Del { uid } => vec![(
+            WorkloadRequest {
+                payload: Some(Payload::Del(DelWorkload { uid })),
+            },
+            None,
+        )],
+        EnrolAction::Snapshot { keep } => keep
+            .into_iter()
+            .map(|uid| {
+                (
+                    WorkloadRequest {
+                        payload: Some(Payload::Keep(KeepWorkload { uid })),
+                    },
+                    None,
+                )
+            })
+            .chain(std::iter::once((
+                WorkloadRequest {
+                    payload: Some(Payload::SnapshotSent(SnapshotSent {})),
+                },
+                None,
+            )))
+            .collect(),
+    };
+    zds::request(&args.socket, requests)?;
+    println!("ok");
     Ok(())
 }

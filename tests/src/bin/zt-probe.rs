@@ -32,6 +32,12 @@ enum Mode {
     Digest,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum Io {
+    Threads,
+    Poll,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     Server {
@@ -52,6 +58,14 @@ enum Cmd {
         /// Seconds before giving up on a silent peer.
         #[arg(long, default_value_t = 60)]
         timeout: u64,
+        /// Seconds before giving up on connecting.
+        #[arg(long, default_value_t = 10)]
+        connect_timeout: u64,
+        /// `threads`: a blocking writer thread and a blocking reader (like a
+        /// thread-per-connection app); `poll`: one thread, non-blocking,
+        /// driven by poll(2) (like an event-loop app).
+        #[arg(long, value_enum, default_value_t = Io::Threads)]
+        io: Io,
     },
 }
 
@@ -87,7 +101,9 @@ fn main() -> ExitCode {
             chunk,
             mode,
             timeout,
-        } => client(connect, bytes, chunk, mode, timeout),
+            connect_timeout,
+            io,
+        } => client(connect, bytes, chunk, mode, (timeout, connect_timeout), io),
     }
 }
 
@@ -144,8 +160,15 @@ fn serve(mut stream: TcpStream, mode: Mode) {
     let _ = stream.shutdown(Shutdown::Write);
 }
 
-fn client(addr: SocketAddr, bytes: u64, chunk: usize, mode: Mode, timeout: u64) -> ExitCode {
-    let stream = match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
+fn client(
+    addr: SocketAddr,
+    bytes: u64,
+    chunk: usize,
+    mode: Mode,
+    (timeout, connect_timeout): (u64, u64),
+    io: Io,
+) -> ExitCode {
+    let stream = match TcpStream::connect_timeout(&addr, Duration::from_secs(connect_timeout)) {
         Ok(s) => s,
         Err(e) => {
             println!("CONNECT-ERROR {:?} {e}", e.kind());
@@ -162,8 +185,24 @@ fn client(addr: SocketAddr, bytes: u64, chunk: usize, mode: Mode, timeout: u64) 
         .map(|a| a.to_string())
         .unwrap_or_default();
 
-    let mut writer = stream.try_clone().expect("clone stream");
     let chunk = chunk.max(1);
+    if let (Io::Poll, Mode::Echo) = (io, mode) {
+        return match echo_poll(stream, bytes, chunk, timeout) {
+            Ok(true) => {
+                println!("RESULT ok bytes={bytes} local={local} peer={peer}");
+                ExitCode::SUCCESS
+            }
+            Ok(false) => {
+                println!("RESULT mismatch bytes={bytes} local={local} peer={peer}");
+                ExitCode::from(1)
+            }
+            Err(e) => {
+                println!("READ-ERROR {:?} {e}", e.kind());
+                ExitCode::from(2)
+            }
+        };
+    }
+    let mut writer = stream.try_clone().expect("clone stream");
     let sender = std::thread::spawn(move || {
         let mut sent = 0u64;
         let mut digest = Fnv::new();
@@ -221,5 +260,73 @@ fn client(addr: SocketAddr, bytes: u64, chunk: usize, mode: Mode, timeout: u64) 
     } else {
         println!("RESULT mismatch bytes={bytes} local={local} peer={peer}");
         ExitCode::from(1)
+    }
+}
+
+/// Echo client on one non-blocking socket driven by poll(2): writes while
+/// there is something to send, reads whatever comes back, half-closes after
+/// the last byte, and compares digests at EOF.
+fn echo_poll(
+    mut stream: TcpStream,
+    bytes: u64,
+    chunk: usize,
+    timeout: u64,
+) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd as _;
+    stream.set_nonblocking(true)?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(timeout);
+    let (mut sent, mut got) = (0u64, 0u64);
+    let (mut sent_digest, mut got_digest) = (Fnv::new(), Fnv::new());
+    let mut out = vec![0u8; chunk];
+    let (mut out_start, mut out_end) = (0usize, 0usize);
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut write_closed = false;
+    loop {
+        if std::time::Instant::now() > deadline {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "echo timed out",
+            ));
+        }
+        let want_write = !write_closed;
+        let mut pfd = libc::pollfd {
+            fd: stream.as_raw_fd(),
+            events: libc::POLLIN | if want_write { libc::POLLOUT } else { 0 },
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; bounded wait.
+        unsafe { libc::poll(&raw mut pfd, 1, 1000) };
+        if want_write && pfd.revents & libc::POLLOUT != 0 {
+            if out_start == out_end && sent < bytes {
+                let n = chunk.min((bytes - sent) as usize);
+                fill(&mut out[..n], sent);
+                sent_digest.feed(&out[..n]);
+                sent += n as u64;
+                out_start = 0;
+                out_end = n;
+            }
+            if out_start < out_end {
+                match stream.write(&out[out_start..out_end]) {
+                    Ok(n) => out_start += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if out_start == out_end && sent == bytes {
+                stream.shutdown(Shutdown::Write)?;
+                write_closed = true;
+            }
+        }
+        if pfd.revents & (libc::POLLIN | libc::POLLHUP) != 0 {
+            match stream.read(&mut buf) {
+                Ok(0) => return Ok(got == bytes && sent_digest.0 == got_digest.0),
+                Ok(n) => {
+                    got_digest.feed(&buf[..n]);
+                    got += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
     }
 }

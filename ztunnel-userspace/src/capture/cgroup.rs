@@ -33,7 +33,13 @@ use crate::{
 };
 
 /// The cgroup programs, in attach order.
-pub const CGROUP_PROGRAMS: [&str; 3] = [program::CONNECT4, program::CONNECT6, program::SOCKOPS];
+pub const CGROUP_PROGRAMS: [&str; 5] = [
+    program::CONNECT4,
+    program::CONNECT6,
+    program::GETPEERNAME4,
+    program::GETPEERNAME6,
+    program::SOCKOPS,
+];
 
 /// Name of the pin of a cgroup program's link.
 pub fn pin_name(program: &str) -> String {

@@ -36,6 +36,23 @@ pub fn read(ebpf: &Ebpf) -> Result<CounterSnapshot, CaptureError> {
         .ok_or_else(|| map_err(MAP_COUNTERS, "not in the object"))?;
     let array: PerCpuArray<&MapData, u64> =
         PerCpuArray::try_from(map).map_err(|e| map_err(MAP_COUNTERS, e))?;
+    sum(&array)
+}
+
+/// Reads the counters of a running (or gone) ztunnel from its pinned map,
+/// e.g. `/sys/fs/bpf/ztunnel/maps/CAPTURE_COUNTERS`.
+pub fn read_pinned(maps_dir: &std::path::Path) -> Result<CounterSnapshot, CaptureError> {
+    let data =
+        MapData::from_pin(maps_dir.join(MAP_COUNTERS)).map_err(|e| map_err(MAP_COUNTERS, e))?;
+    let map = aya::maps::Map::from_map_data(data).map_err(|e| map_err(MAP_COUNTERS, e))?;
+    let array: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(map).map_err(|e| map_err(MAP_COUNTERS, e))?;
+    sum(&array)
+}
+
+fn sum<T: std::borrow::Borrow<MapData>>(
+    array: &PerCpuArray<T, u64>,
+) -> Result<CounterSnapshot, CaptureError> {
     let mut values = Vec::with_capacity(Counter::ALL.len());
     for counter in Counter::ALL {
         let per_cpu = array

@@ -9,6 +9,7 @@
 
 pub mod cgroup;
 pub mod counters;
+pub mod maps;
 pub mod tc;
 
 use std::{io, path::PathBuf};

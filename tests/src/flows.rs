@@ -1,0 +1,141 @@
+//! Small helpers to drive traffic between pods and describe them to ztunnel.
+
+use std::{fmt::Write as _, net::SocketAddr, path::PathBuf, time::Duration};
+
+use crate::{
+    Cluster, Pod, probe_bin,
+    process::{Finished, PodProcess},
+};
+
+/// Starts an echo (or digest) server in `pod` on `addr` and waits for it.
+pub fn server(pod: &Pod, addr: SocketAddr, mode: &str) -> PodProcess {
+    let mut cmd = pod.command(&probe_bin());
+    cmd.args(["server", "--listen", &addr.to_string(), "--mode", mode]);
+    let mut p = PodProcess::spawn(&format!("server-{}-{addr}", pod.name), cmd);
+    let ready = p.read_line(Duration::from_secs(10));
+    assert!(ready.starts_with("READY"), "{ready}");
+    p
+}
+
+/// Options of one client run.
+#[derive(Debug, Clone)]
+pub struct ClientRun {
+    /// Bytes to send (echoed back in echo mode).
+    pub bytes: u64,
+    /// Size of each write.
+    pub chunk: usize,
+    /// `echo` or `digest`.
+    pub mode: &'static str,
+    /// Seconds to wait for the connection.
+    pub connect_timeout: u64,
+    /// Upper bound of the whole run.
+    pub limit: Duration,
+    /// `threads` (blocking reader + writer threads) or `poll` (event loop).
+    pub io: &'static str,
+}
+
+impl Default for ClientRun {
+    fn default() -> Self {
+        Self {
+            bytes: 100_000,
+            chunk: 16 * 1024,
+            mode: "echo",
+            connect_timeout: 5,
+            limit: Duration::from_mins(1),
+            io: "threads",
+        }
+    }
+}
+
+/// Runs the client in `pod` against `dst` and returns what it reported.
+pub fn client(pod: &Pod, dst: SocketAddr, run: &ClientRun) -> Finished {
+    let mut cmd = pod.command(&probe_bin());
+    cmd.args([
+        "client",
+        "--connect",
+        &dst.to_string(),
+        "--bytes",
+        &run.bytes.to_string(),
+        "--chunk",
+        &run.chunk.to_string(),
+        "--mode",
+        run.mode,
+        "--connect-timeout",
+        &run.connect_timeout.to_string(),
+        "--timeout",
+        &run.limit.as_secs().to_string(),
+        "--io",
+        run.io,
+    ]);
+    PodProcess::spawn(&format!("client-{}-{dst}", pod.name), cmd)
+        .wait(run.limit + Duration::from_secs(10))
+}
+
+/// Asserts that a client run succeeded with intact data.
+pub fn assert_ok(done: &Finished) {
+    assert!(
+        done.status.success() && done.stdout.contains("RESULT ok"),
+        "client failed: {done:?}"
+    );
+}
+
+/// The `peer=` a server printed for its last accepted connection.
+pub fn last_peer(server: &mut PodProcess) -> String {
+    let line = server.read_line(Duration::from_secs(10));
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix("peer="))
+        .unwrap_or_else(|| panic!("no peer in {line:?}"))
+        .to_owned()
+}
+
+/// One workload entry for a local-mode config file.
+#[derive(Debug, Clone)]
+pub struct WorkloadEntry {
+    /// The pod.
+    pub pod: String,
+    /// Node name.
+    pub node: String,
+    /// Enrol it (give ztunnel its netns).
+    pub enrolled: bool,
+    /// Capture outbound.
+    pub outbound: bool,
+    /// Capture inbound.
+    pub inbound: bool,
+}
+
+impl WorkloadEntry {
+    /// An enrolled pod with full capture.
+    pub fn enrolled(pod: &str, node: &str) -> Self {
+        Self {
+            pod: pod.into(),
+            node: node.into(),
+            enrolled: true,
+            outbound: true,
+            inbound: true,
+        }
+    }
+}
+
+/// Writes a local-mode config describing `entries` and returns its path.
+pub fn write_config(cluster: &Cluster, file: &str, entries: &[WorkloadEntry]) -> PathBuf {
+    let mut yaml = String::from("trustDomain: cluster.local\nworkloads:\n");
+    for e in entries {
+        let pod = cluster.pod(&e.pod);
+        let _ = writeln!(
+            yaml,
+            "  - uid: {}\n    name: {}\n    namespace: test\n    serviceAccount: {}\n    node: {}\n    ips: [{}, \"{}\"]",
+            e.pod, e.pod, e.pod, e.node, pod.ip, pod.ip6
+        );
+        if e.enrolled {
+            let _ = writeln!(yaml, "    netns: {}", pod.netns_path().display());
+        }
+        let _ = writeln!(
+            yaml,
+            "    capture: {{outbound: {}, inbound: {}}}",
+            e.outbound, e.inbound
+        );
+    }
+    let path = cluster.dir().join(file);
+    std::fs::write(&path, yaml).expect("write config");
+    path
+}

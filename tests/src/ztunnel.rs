@@ -1,0 +1,221 @@
+//! Running a real `ztunnel` process for a node of a test cluster.
+//!
+//! The process runs in the node's network namespace and in a cgroup below
+//! the cluster's capture cgroup, so the capture programs do run for
+//! ztunnel's own sockets: only its socket mark keeps them from being
+//! captured, which is exactly what the tests want to exercise. Its log goes
+//! to a file; on a failing test the log is printed before it is removed.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use nix::sys::signal::Signal;
+
+use crate::{
+    Cluster,
+    cgroup::TestCgroup,
+    process::{PodProcess, command_in},
+};
+
+/// Path of a binary built next to the test helpers.
+pub fn sibling_bin(name: &str) -> PathBuf {
+    let probe = crate::probe_bin();
+    let bin = probe.with_file_name(name);
+    assert!(
+        bin.is_file(),
+        "{} missing: run the tests through `cargo xtask test` (it builds the ztunnel binary)",
+        bin.display()
+    );
+    bin
+}
+
+/// One running ztunnel.
+#[derive(Debug)]
+pub struct Ztunnel {
+    process: Option<PodProcess>,
+    log: PathBuf,
+    /// Its pin folder.
+    pub bpffs: PathBuf,
+    /// Its enrolment socket.
+    pub socket: PathBuf,
+    _cgroup: TestCgroup,
+}
+
+/// Paths a ztunnel of a node uses, derived from the cluster.
+pub struct ZtunnelPaths {
+    /// Pin folder (inside the cluster's private bpffs).
+    pub bpffs: PathBuf,
+    /// Enrolment socket.
+    pub socket: PathBuf,
+    /// Log file.
+    pub log: PathBuf,
+}
+
+impl ZtunnelPaths {
+    /// The paths for `node` of `cluster`.
+    pub fn for_node(cluster: &Cluster, node: usize) -> Self {
+        let name = &cluster.node(node).name;
+        Self {
+            bpffs: cluster.bpffs().path().join(format!("ztunnel-{name}")),
+            socket: cluster.dir().join(format!("{name}.sock")),
+            log: cluster.dir().join(format!("ztunnel-{name}.log")),
+        }
+    }
+}
+
+impl Ztunnel {
+    /// Starts `ztunnel run` for `node` with the cluster's capture cgroup and
+    /// the given extra arguments, and waits until it is ready.
+    pub fn start(cluster: &Cluster, node: usize, extra: &[&str]) -> Self {
+        let paths = ZtunnelPaths::for_node(cluster, node);
+        let node_ref = cluster.node(node);
+        let cgroup = TestCgroup::create(&format!("{}/ztunnel-{}", cluster.prefix(), node_ref.name));
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&paths.log)
+            .expect("open ztunnel log");
+        let mut cmd = command_in(
+            &node_ref.netns().path(),
+            &cgroup.procs(),
+            &sibling_bin("ztunnel"),
+        );
+        cmd.args([
+            "--log",
+            "info,ztunnel=debug",
+            "run",
+            "--node-name",
+            &node_ref.name,
+            "--reconcile-grace",
+            "1",
+        ])
+        .arg("--cgroup")
+        .arg(cluster.cgroup())
+        .arg("--bpffs")
+        .arg(&paths.bpffs)
+        .arg("--enrol-socket")
+        .arg(&paths.socket)
+        .args(extra)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log));
+        let process = PodProcess::spawn_with_io(&format!("ztunnel-{}", node_ref.name), cmd);
+        let z = Self {
+            process: Some(process),
+            log: paths.log,
+            bpffs: paths.bpffs,
+            socket: paths.socket,
+            _cgroup: cgroup,
+        };
+        z.wait_for_log("ztunnel ready", Duration::from_secs(20));
+        z
+    }
+
+    /// The whole log so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log contains `needle`; panics with the log otherwise.
+    pub fn wait_for_log(&self, needle: &str, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if self.log().contains(needle) {
+                return;
+            }
+            if let Some(p) = &self.process {
+                assert!(
+                    p.is_running(),
+                    "ztunnel exited while waiting for {needle:?}; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!(
+            "no {needle:?} in ztunnel's log within {limit:?}; log:\n{}",
+            self.log()
+        );
+    }
+
+    /// Counts lines of the log containing every one of `needles`.
+    pub fn count_log_lines(&self, needles: &[&str]) -> usize {
+        self.log()
+            .lines()
+            .filter(|l| needles.iter().all(|n| l.contains(n)))
+            .count()
+    }
+
+    /// SIGKILL: no cleanup at all.
+    pub fn kill(&mut self) {
+        if let Some(p) = self.process.take() {
+            p.signal(Signal::SIGKILL);
+            let done = p.wait(Duration::from_secs(10));
+            assert!(!done.status.success());
+        }
+    }
+
+    /// SIGTERM and wait for a clean exit (status 0).
+    pub fn stop(&mut self) {
+        if let Some(p) = self.process.take() {
+            p.signal(Signal::SIGTERM);
+            let done = p.wait(Duration::from_secs(30));
+            assert!(
+                done.status.success(),
+                "ztunnel exited with {}; log:\n{}",
+                done.status,
+                self.log()
+            );
+        }
+    }
+
+    /// The capture counters from ztunnel's pinned map.
+    pub fn counters(&self) -> ztunnel::capture::counters::CounterSnapshot {
+        ztunnel::capture::counters::read_pinned(&self.bpffs.join("maps"))
+            .expect("read pinned counters")
+    }
+
+    /// Every pin below ztunnel's pin folder.
+    pub fn pins(&self) -> Vec<PathBuf> {
+        pins_below(&self.bpffs)
+    }
+}
+
+/// Every file below `dir`.
+pub fn pins_below(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        if let Ok(entries) = fs::read_dir(&d) {
+            for e in entries.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    out.push(p);
+                }
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+impl Drop for Ztunnel {
+    fn drop(&mut self) {
+        if let Some(p) = self.process.take() {
+            p.signal(Signal::SIGKILL);
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "---- ztunnel log ({}) ----\n{}",
+                self.log.display(),
+                self.log()
+            );
+        }
+    }
+}

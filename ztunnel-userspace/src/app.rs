@@ -1,0 +1,246 @@
+//! The daemon: wires the parts together and runs until a signal.
+//!
+//! Start-up: probe and load the kernel programs (maps pinned), attach the
+//! cgroup programs (or take over pinned ones), write the exclusions, enrol
+//! this node's pods from the config file, start the enrolment socket and the
+//! config watcher. After `reconcile_grace`, kernel state an earlier ztunnel
+//! left for pods that nobody re-enrolled is removed.
+//!
+//! Shutdown (SIGTERM/SIGINT): stop accepting. With `cleanup`, or when no pod
+//! is enrolled, every attachment and pin is removed; otherwise they stay so
+//! that enrolled pods fail closed until the next ztunnel takes over.
+
+use std::{
+    collections::HashSet,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use crate::{
+    bpffs::{BpffsError, PinRoot},
+    capture::{self, CaptureError, maps::Exclusions, tc::TcMode},
+    cgroup::{self, CgroupError},
+    enrol::{self, EnrolError, EnrolRequest, PodRegistry, Source, zds::ZdsError},
+    loader::{self, LoaderError},
+    netns::PodNetns,
+    state::local::{self, ConfigError, LocalConfig},
+};
+
+/// Everything the daemon is configured with (built from flags by `main`).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// cgroup v2 directory for the connect/sock_ops programs (None: the root).
+    pub cgroup: Option<PathBuf>,
+    /// Pin folder on bpffs.
+    pub bpffs: PathBuf,
+    /// sk_msg acceleration of pod-local legs.
+    pub sockmap: bool,
+    /// How to attach TC programs.
+    pub tc_mode: TcMode,
+    /// Remove every attachment and pin on shutdown.
+    pub cleanup: bool,
+    /// Local-mode config file.
+    pub config: Option<PathBuf>,
+    /// This node's name (workloads with this `node` are enrolled).
+    pub node_name: String,
+    /// Capture exclusions.
+    pub exclusions: Exclusions,
+    /// Enrolment socket path (None: disabled).
+    pub enrol_socket: Option<PathBuf>,
+    /// How long to wait for pods to be re-enrolled before removing the
+    /// kernel state an earlier ztunnel left for them.
+    pub reconcile_grace: Duration,
+    /// Data-plane worker threads.
+    pub worker_threads: usize,
+}
+
+/// Why the daemon stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// cgroup trouble.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// bpffs trouble.
+    #[error(transparent)]
+    Bpffs(#[from] BpffsError),
+    /// Loading trouble.
+    #[error(transparent)]
+    Loader(#[from] Box<LoaderError>),
+    /// Attaching trouble.
+    #[error(transparent)]
+    Capture(#[from] Box<CaptureError>),
+    /// The initial config is bad.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Enrolment trouble.
+    #[error(transparent)]
+    Enrol(#[from] Box<EnrolError>),
+    /// Enrolment socket trouble.
+    #[error(transparent)]
+    Zds(#[from] ZdsError),
+    /// Runtime trouble.
+    #[error("runtime: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Runs the daemon until SIGTERM/SIGINT.
+pub fn run(settings: &Settings) -> Result<(), AppError> {
+    let cgroup_dir = match &settings.cgroup {
+        Some(dir) => dir.clone(),
+        None => cgroup::cgroup2_mount()?,
+    };
+    cgroup::validate(&cgroup_dir)?;
+    // Read the config before touching the kernel: a bad file must not leave
+    // half a setup behind.
+    let initial = settings.config.as_deref().map(local::load).transpose()?;
+
+    let pins = PinRoot::prepare(&settings.bpffs)?;
+    let mut programs = loader::load(&pins).map_err(Box::new)?;
+    let attached =
+        capture::cgroup::attach(&mut programs.ebpf, &pins, &cgroup_dir, settings.sockmap)
+            .map_err(Box::new)?;
+    capture::maps::set_exclusions(&mut programs.ebpf, &settings.exclusions).map_err(Box::new)?;
+    tracing::info!(
+        cgroup = %attached.cgroup.display(),
+        took_over = attached.took_over,
+        sockmap = settings.sockmap,
+        tc_mode = ?settings.tc_mode.resolve(),
+        "capture programs attached"
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(settings.worker_threads.max(1))
+        .thread_name("dataplane")
+        .enable_all()
+        .build()?;
+    let registry = Arc::new(
+        PodRegistry::new(
+            programs,
+            pins.clone(),
+            settings.tc_mode,
+            runtime.handle().clone(),
+        )
+        .map_err(Box::new)?,
+    );
+
+    if let Some(config) = &initial {
+        apply_config(&registry, config, &settings.node_name);
+    }
+    if let Some(path) = &settings.config {
+        watch_config(
+            path.clone(),
+            Arc::clone(&registry),
+            settings.node_name.clone(),
+        );
+    }
+    if let Some(socket) = &settings.enrol_socket {
+        enrol::zds::serve(socket, Arc::clone(&registry))?;
+        tracing::info!(socket = %socket.display(), "enrolment socket listening");
+    }
+    {
+        let registry = Arc::clone(&registry);
+        let grace = settings.reconcile_grace;
+        std::thread::spawn(move || {
+            std::thread::sleep(grace);
+            if let Err(e) = registry.remove_stale_kernel_state() {
+                tracing::warn!(error = %e, "removing stale kernel state failed");
+            }
+        });
+    }
+    tracing::info!("ztunnel ready");
+
+    runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        Ok::<(), std::io::Error>(())
+    })?;
+
+    tracing::info!("shutting down");
+    registry.stop_listeners();
+    if let Some(socket) = &settings.enrol_socket {
+        let _ = std::fs::remove_file(socket);
+    }
+    if settings.cleanup || registry.is_empty() {
+        registry.remove_all().map_err(Box::new)?;
+        capture::cgroup::unpin(&pins).map_err(Box::new)?;
+        drop(registry);
+        pins.remove_all()?;
+        tracing::info!(bpffs = %settings.bpffs.display(), "removed every attachment and pin");
+    } else {
+        tracing::info!(
+            pods = registry.len(),
+            "leaving attachments pinned: enrolled pods fail closed until ztunnel is back"
+        );
+    }
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+/// Enrols this node's pods from `config` and removes config pods that are
+/// gone. Problems with one pod are logged and do not stop the others.
+pub fn apply_config(registry: &PodRegistry, config: &LocalConfig, node: &str) {
+    let mut keep = HashSet::new();
+    for w in config.workloads.iter().filter(|w| w.node == node) {
+        let Some(path) = &w.netns else { continue };
+        keep.insert(w.uid.clone());
+        let netns = match PodNetns::open(path) {
+            Ok(ns) => ns,
+            Err(e) => {
+                tracing::error!(pod = %w.uid, error = %e, "cannot enrol pod");
+                continue;
+            }
+        };
+        let request = EnrolRequest {
+            uid: w.uid.clone(),
+            netns,
+            capture: w.capture,
+            source: Source::Config,
+        };
+        if let Err(e) = registry.enrol(request) {
+            tracing::error!(pod = %w.uid, error = %e, "cannot enrol pod");
+        }
+    }
+    match registry.reconcile(Source::Config, &keep) {
+        Ok(removed) if !removed.is_empty() => tracing::info!(?removed, "pods removed from config"),
+        Ok(_) => {}
+        Err(e) => tracing::error!(error = %e, "reconciling config pods failed"),
+    }
+}
+
+/// Polls the config file once a second; a changed, valid file is applied,
+/// an invalid one is rejected with its errors and the last good state kept.
+fn watch_config(path: PathBuf, registry: Arc<PodRegistry>, node: String) {
+    let stamp = |p: &PathBuf| {
+        std::fs::metadata(p)
+            .and_then(|m| m.modified())
+            .unwrap_or(SystemTime::UNIX_EPOCH)
+    };
+    let mut last = stamp(&path);
+    let mut last_text = std::fs::read_to_string(&path).unwrap_or_default();
+    std::thread::Builder::new()
+        .name("config-watch".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+                let now = stamp(&path);
+                let text = std::fs::read_to_string(&path).unwrap_or_default();
+                if now == last && text == last_text {
+                    continue;
+                }
+                last = now;
+                last_text.clone_from(&text);
+                match local::parse(&text, &path) {
+                    Ok(config) => {
+                        tracing::info!(config = %path.display(), "config changed: applying");
+                        apply_config(&registry, &config, &node);
+                    }
+                    Err(e) => tracing::error!(error = %e, "config change rejected; keeping the last good config"),
+                }
+            }
+        })
+        .ok();
+}

@@ -1,0 +1,228 @@
+//! Userspace writes to the capture maps: enrolled pods, exclusions, and
+//! taking original destinations out of `ORIG_DST`.
+
+use std::net::{IpAddr, SocketAddr};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
+};
+use ztunnel_common::{
+    IpBytes, MAP_INBOUND_EXCLUDED_CIDRS, MAP_INBOUND_EXCLUDED_PORTS, MAP_ORIG_DST,
+    MAP_OUTBOUND_EXCLUDED_CIDRS, MAP_OUTBOUND_EXCLUDED_PORTS, MAP_POD_CAPTURE, OrigDst, OrigDstKey,
+    PodCapture, v4_mapped,
+};
+
+use super::{CaptureError, map_err};
+
+/// An address as the maps store it (IPv4 v4-mapped).
+pub fn ip_bytes(ip: IpAddr) -> IpBytes {
+    match ip {
+        IpAddr::V4(v4) => v4_mapped(v4.octets()),
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+/// The inverse of [`ip_bytes`]: v4-mapped becomes IPv4 again.
+pub fn ip_from_bytes(bytes: IpBytes) -> IpAddr {
+    let v6 = std::net::Ipv6Addr::from(bytes);
+    v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+}
+
+/// A CIDR, e.g. `10.0.0.0/8` or `fd00::/8`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    /// Network address.
+    pub addr: IpAddr,
+    /// Prefix length in the address's own family.
+    pub prefix: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (addr, prefix) = s.split_once('/').unwrap_or((s, ""));
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{s:?}: not an IP address"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = if prefix.is_empty() {
+            max
+        } else {
+            prefix
+                .parse()
+                .ok()
+                .filter(|p| *p <= max)
+                .ok_or_else(|| format!("{s:?}: prefix must be 0..={max}"))?
+        };
+        Ok(Self { addr, prefix })
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl Cidr {
+    /// The LPM key: IPv4 prefixes live under the v4-mapped `::ffff:0:0/96`.
+    fn key(&self) -> Key<IpBytes> {
+        let bits = if self.addr.is_ipv4() {
+            96 + u32::from(self.prefix)
+        } else {
+            u32::from(self.prefix)
+        };
+        Key::new(bits, ip_bytes(self.addr))
+    }
+}
+
+/// Node-wide capture exclusions.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Exclusions {
+    /// Outbound destination ports never captured.
+    pub outbound_ports: Vec<u16>,
+    /// Outbound destination CIDRs never captured.
+    pub outbound_cidrs: Vec<Cidr>,
+    /// Inbound destination ports never captured.
+    pub inbound_ports: Vec<u16>,
+    /// Inbound source CIDRs never captured (e.g. the kubelet's probe address).
+    pub inbound_cidrs: Vec<Cidr>,
+}
+
+/// Replaces the exclusion maps' contents with `exclusions`.
+pub fn set_exclusions(ebpf: &mut Ebpf, exclusions: &Exclusions) -> Result<(), CaptureError> {
+    for (name, ports) in [
+        (MAP_OUTBOUND_EXCLUDED_PORTS, &exclusions.outbound_ports),
+        (MAP_INBOUND_EXCLUDED_PORTS, &exclusions.inbound_ports),
+    ] {
+        let map = ebpf
+            .map_mut(name)
+            .ok_or_else(|| map_err(name, "not in the object"))?;
+        let mut map: HashMap<&mut MapData, u16, u8> =
+            HashMap::try_from(map).map_err(|e| map_err(name, e))?;
+        let old: Vec<u16> = map.keys().filter_map(Result::ok).collect();
+        for port in old {
+            let _ = map.remove(&port);
+        }
+        for port in ports {
+            map.insert(port, 1, 0).map_err(|e| map_err(name, e))?;
+        }
+    }
+    for (name, cidrs) in [
+        (MAP_OUTBOUND_EXCLUDED_CIDRS, &exclusions.outbound_cidrs),
+        (MAP_INBOUND_EXCLUDED_CIDRS, &exclusions.inbound_cidrs),
+    ] {
+        let map = ebpf
+            .map_mut(name)
+            .ok_or_else(|| map_err(name, "not in the object"))?;
+        let mut trie: LpmTrie<&mut MapData, IpBytes, u8> =
+            LpmTrie::try_from(map).map_err(|e| map_err(name, e))?;
+        let old: Vec<Key<IpBytes>> = trie.keys().filter_map(Result::ok).collect();
+        for key in old {
+            let _ = trie.remove(&key);
+        }
+        for cidr in cidrs {
+            trie.insert(&cidr.key(), 1, 0)
+                .map_err(|e| map_err(name, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Marks a pod's namespace as enrolled with `flags`.
+pub fn set_pod(ebpf: &mut Ebpf, netns_cookie: u64, flags: u32) -> Result<(), CaptureError> {
+    let map = ebpf
+        .map_mut(MAP_POD_CAPTURE)
+        .ok_or_else(|| map_err(MAP_POD_CAPTURE, "not in the object"))?;
+    let mut map: HashMap<&mut MapData, u64, PodCapture> =
+        HashMap::try_from(map).map_err(|e| map_err(MAP_POD_CAPTURE, e))?;
+    map.insert(netns_cookie, PodCapture { flags, _pad: 0 }, 0)
+        .map_err(|e| map_err(MAP_POD_CAPTURE, e))
+}
+
+/// Removes a pod's namespace from the enrolled set (absent is fine).
+pub fn remove_pod(ebpf: &mut Ebpf, netns_cookie: u64) -> Result<(), CaptureError> {
+    let map = ebpf
+        .map_mut(MAP_POD_CAPTURE)
+        .ok_or_else(|| map_err(MAP_POD_CAPTURE, "not in the object"))?;
+    let mut map: HashMap<&mut MapData, u64, PodCapture> =
+        HashMap::try_from(map).map_err(|e| map_err(MAP_POD_CAPTURE, e))?;
+    match map.remove(&netns_cookie) {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(e) => Err(map_err(MAP_POD_CAPTURE, e)),
+    }
+}
+
+/// The netns cookies currently in `POD_CAPTURE`.
+pub fn pod_cookies(ebpf: &Ebpf) -> Result<Vec<u64>, CaptureError> {
+    let map = ebpf
+        .map(MAP_POD_CAPTURE)
+        .ok_or_else(|| map_err(MAP_POD_CAPTURE, "not in the object"))?;
+    let map: HashMap<&MapData, u64, PodCapture> =
+        HashMap::try_from(map).map_err(|e| map_err(MAP_POD_CAPTURE, e))?;
+    Ok(map.keys().filter_map(Result::ok).collect())
+}
+
+/// The `ORIG_DST` map, taken out of the object so that accepts can use it
+/// without locking the programs.
+pub struct OrigDstTable {
+    map: HashMap<MapData, OrigDstKey, OrigDst>,
+}
+
+impl std::fmt::Debug for OrigDstTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OrigDstTable")
+    }
+}
+
+impl OrigDstTable {
+    /// Takes the map out of `ebpf`.
+    pub fn take(ebpf: &mut Ebpf) -> Result<Self, CaptureError> {
+        let map = ebpf
+            .take_map(MAP_ORIG_DST)
+            .ok_or_else(|| map_err(MAP_ORIG_DST, "not in the object"))?;
+        Ok(Self {
+            map: HashMap::try_from(map).map_err(|e| map_err(MAP_ORIG_DST, e))?,
+        })
+    }
+
+    /// Looks up and deletes the original destination of the connection whose
+    /// client end is `client` in the namespace `netns_cookie`.
+    pub fn take_entry(&mut self, netns_cookie: u64, client: SocketAddr) -> Option<SocketAddr> {
+        let key = OrigDstKey {
+            netns_cookie,
+            client_addr: ip_bytes(client.ip()),
+            client_port: client.port(),
+            _pad: [0; 6],
+        };
+        let value = self.map.get(&key, 0).ok()?;
+        let _ = self.map.remove(&key);
+        Some(SocketAddr::new(ip_from_bytes(value.addr), value.port))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipv4_is_stored_v4_mapped_and_comes_back() {
+        let ip: IpAddr = "10.244.1.10".parse().expect("ip");
+        let bytes = ip_bytes(ip);
+        assert_eq!(&bytes[10..], &[0xff, 0xff, 10, 244, 1, 10]);
+        assert_eq!(ip_from_bytes(bytes), ip);
+        let v6: IpAddr = "fd00::1".parse().expect("ip");
+        assert_eq!(ip_from_bytes(ip_bytes(v6)), v6);
+    }
+
+    #[test]
+    fn cidrs_parse_and_reject_bad_prefixes() {
+        let c: Cidr = "10.0.0.0/8".parse().expect("cidr");
+        assert_eq!(c.prefix, 8);
+        assert_eq!(c.key().prefix_len(), 104);
+        assert_eq!("10.1.2.3".parse::<Cidr>().expect("host").prefix, 32);
+        assert!("10.0.0.0/33".parse::<Cidr>().is_err());
+        assert!("nope/8".parse::<Cidr>().is_err());
+    }
+}

@@ -1,0 +1,13 @@
+//! Enrolment: which pods ztunnel captures, and the ways to say so.
+//!
+//! - [`registry`]: the enrolled pods and everything each owns (map entry,
+//!   TC attachment, listeners, socket factory). Idempotent enrol/remove and
+//!   snapshot reconciliation.
+//! - [`zds`]: the protobuf messages (Istio's ZDS semantics) and the unix
+//!   socket server a CNI plugin or `ztunnel enrol` talks to, with the pod's
+//!   netns fd passed as `SCM_RIGHTS`.
+
+pub mod registry;
+pub mod zds;
+
+pub use registry::{EnrolError, EnrolRequest, PodRegistry, Source};

@@ -1,0 +1,438 @@
+//! The enrolled pods.
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    sync::{Arc, Mutex},
+};
+
+use tokio::task::AbortHandle;
+use ztunnel_common::{POD_CAPTURE_INBOUND, POD_CAPTURE_OUTBOUND};
+
+use crate::{
+    bpffs::PinRoot,
+    capture::{
+        CaptureError,
+        maps::{self, OrigDstTable},
+        tc::{self, PodIngress, TcMode},
+    },
+    loader::KernelPrograms,
+    netns::{NetnsError, PodNetns},
+    proxy::{
+        inbound::{self, InboundContext},
+        listeners::{self, ListenError},
+        outbound::{self, OutboundContext},
+        socket_factory::SocketFactory,
+    },
+    state::CaptureOptOut,
+};
+
+/// The interface inside each pod that carries its traffic.
+pub const POD_INTERFACE: &str = "eth0";
+
+/// Who asked for a pod to be enrolled; reconciliation only touches pods of
+/// the same source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The local config file.
+    Config,
+    /// The enrolment socket (CNI plugin or `ztunnel enrol`).
+    Socket,
+}
+
+/// A request to enrol one pod.
+#[derive(Debug)]
+pub struct EnrolRequest {
+    /// Unique pod id.
+    pub uid: String,
+    /// The pod's network namespace.
+    pub netns: PodNetns,
+    /// Opt-outs.
+    pub capture: CaptureOptOut,
+    /// Who asked.
+    pub source: Source,
+}
+
+/// Errors of enrolment; each names the pod.
+#[derive(Debug, thiserror::Error)]
+pub enum EnrolError {
+    /// Kernel-side failure.
+    #[error("pod {uid}: {source}")]
+    Capture {
+        /// The pod.
+        uid: String,
+        /// What failed (boxed: the kernel errors are large).
+        source: Box<CaptureError>,
+    },
+    /// Namespace failure.
+    #[error("pod {uid}: {source}")]
+    Netns {
+        /// The pod.
+        uid: String,
+        /// What failed.
+        source: Box<NetnsError>,
+    },
+    /// Listener failure.
+    #[error("pod {uid}: {source}")]
+    Listen {
+        /// The pod.
+        uid: String,
+        /// What failed.
+        source: Box<ListenError>,
+    },
+    /// Thread or socket setup failure.
+    #[error("pod {uid}: {source}")]
+    Io {
+        /// The pod.
+        uid: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// A lock was poisoned by a panic elsewhere.
+    #[error("internal state poisoned")]
+    Poisoned,
+}
+
+impl EnrolError {
+    /// Wraps a kernel-side error of pod `uid`.
+    fn capture(uid: &str) -> impl Fn(CaptureError) -> Self + Copy + '_ {
+        move |e| Self::Capture {
+            uid: uid.to_owned(),
+            source: Box::new(e),
+        }
+    }
+}
+
+/// One enrolled pod and what it owns.
+#[derive(Debug)]
+struct EnrolledPod {
+    netns_name: String,
+    cookie: u64,
+    source: Source,
+    netns: PodNetns,
+    ingress: Option<PodIngress>,
+    tasks: Vec<AbortHandle>,
+}
+
+/// A row of [`PodRegistry::list`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PodSummary {
+    /// Pod uid.
+    pub uid: String,
+    /// Namespace path or name.
+    pub netns: String,
+    /// netns cookie.
+    pub netns_cookie: u64,
+    /// Whether outbound/inbound capture is on.
+    pub outbound: bool,
+    /// Whether inbound capture is on.
+    pub inbound: bool,
+}
+
+/// The enrolled pods of this node, plus the kernel programs they use.
+pub struct PodRegistry {
+    programs: Mutex<KernelPrograms>,
+    pins: PinRoot,
+    tc_mode: TcMode,
+    orig_dst: Arc<Mutex<OrigDstTable>>,
+    pods: Mutex<BTreeMap<String, EnrolledPod>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl std::fmt::Debug for PodRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodRegistry").finish_non_exhaustive()
+    }
+}
+
+impl PodRegistry {
+    /// Takes ownership of the loaded programs.
+    pub fn new(
+        mut programs: KernelPrograms,
+        pins: PinRoot,
+        tc_mode: TcMode,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<Self, CaptureError> {
+        let orig_dst = OrigDstTable::take(&mut programs.ebpf)?;
+        Ok(Self {
+            programs: Mutex::new(programs),
+            pins,
+            tc_mode,
+            orig_dst: Arc::new(Mutex::new(orig_dst)),
+            pods: Mutex::new(BTreeMap::new()),
+            runtime,
+        })
+    }
+
+    /// Runs `f` with the loaded programs (counters, exclusions, dumps).
+    pub fn with_programs<R>(
+        &self,
+        f: impl FnOnce(&mut KernelPrograms) -> R,
+    ) -> Result<R, EnrolError> {
+        let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+        Ok(f(&mut programs))
+    }
+
+    /// Enrols a pod. Enrolling the same uid with the same namespace again
+    /// is a no-op; with another namespace it replaces the old enrolment.
+    pub fn enrol(&self, req: EnrolRequest) -> Result<bool, EnrolError> {
+        let uid = req.uid.clone();
+        let cookie = req.netns.cookie().map_err(|e| EnrolError::Netns {
+            uid: uid.clone(),
+            source: Box::new(e),
+        })?;
+        {
+            let pods = self.pods.lock().map_err(|_| EnrolError::Poisoned)?;
+            if let Some(existing) = pods.get(&uid)
+                && existing.cookie == cookie
+            {
+                return Ok(false);
+            }
+        }
+        self.remove(&uid)?;
+
+        let capture_err = EnrolError::capture(&uid);
+        let sockets = SocketFactory::start(&req.netns).map_err(|source| EnrolError::Io {
+            uid: uid.clone(),
+            source,
+        })?;
+        let listeners = listeners::open(&req.netns).map_err(|e| EnrolError::Listen {
+            uid: uid.clone(),
+            source: Box::new(e),
+        })?;
+
+        let mut flags = 0;
+        if req.capture.outbound {
+            flags |= POD_CAPTURE_OUTBOUND;
+        }
+        if req.capture.inbound {
+            flags |= POD_CAPTURE_INBOUND;
+        }
+        let ingress = {
+            let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+            let ingress = if req.capture.inbound {
+                Some(
+                    tc::attach(
+                        &mut programs.ebpf,
+                        &self.pins,
+                        &req.netns,
+                        &uid,
+                        POD_INTERFACE,
+                        self.tc_mode,
+                    )
+                    .map_err(capture_err)?,
+                )
+            } else {
+                None
+            };
+            maps::set_pod(&mut programs.ebpf, cookie, flags).map_err(capture_err)?;
+            ingress
+        };
+
+        let tasks = self.spawn_listeners(&uid, cookie, &sockets, listeners)?;
+        let pod = EnrolledPod {
+            netns_name: req.netns.name().to_owned(),
+            cookie,
+            source: req.source,
+            netns: req.netns,
+            ingress,
+            tasks,
+        };
+        tracing::info!(pod = %uid, netns = %pod.netns_name, cookie, outbound = req.capture.outbound, inbound = req.capture.inbound, "pod enrolled");
+        self.pods
+            .lock()
+            .map_err(|_| EnrolError::Poisoned)?
+            .insert(uid, pod);
+        Ok(true)
+    }
+
+    fn spawn_listeners(
+        &self,
+        uid: &str,
+        cookie: u64,
+        sockets: &SocketFactory,
+        listeners: listeners::PodListeners,
+    ) -> Result<Vec<AbortHandle>, EnrolError> {
+        let _guard = self.runtime.enter();
+        let io = |source| EnrolError::Io {
+            uid: uid.to_owned(),
+            source,
+        };
+        let mut tasks = Vec::new();
+        let out_ctx = OutboundContext {
+            pod: uid.to_owned(),
+            netns_cookie: cookie,
+            orig_dst: Arc::clone(&self.orig_dst),
+            sockets: sockets.clone(),
+        };
+        let in_ctx = InboundContext {
+            pod: uid.to_owned(),
+            sockets: sockets.clone(),
+        };
+        for l in listeners.outbound {
+            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+            tasks.push(
+                self.runtime
+                    .spawn(outbound::serve(l, out_ctx.clone()))
+                    .abort_handle(),
+            );
+        }
+        for l in listeners.inbound_plaintext {
+            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+            tasks.push(
+                self.runtime
+                    .spawn(inbound::serve_plaintext(l, in_ctx.clone()))
+                    .abort_handle(),
+            );
+        }
+        for l in listeners.inbound_hbone {
+            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+            tasks.push(
+                self.runtime
+                    .spawn(inbound::serve_hbone(l, in_ctx.clone()))
+                    .abort_handle(),
+            );
+        }
+        Ok(tasks)
+    }
+
+    /// Removes a pod: closes its listeners, deletes its map entry, detaches
+    /// its TC program. Returns whether it was enrolled.
+    pub fn remove(&self, uid: &str) -> Result<bool, EnrolError> {
+        let Some(pod) = self
+            .pods
+            .lock()
+            .map_err(|_| EnrolError::Poisoned)?
+            .remove(uid)
+        else {
+            return Ok(false);
+        };
+        for task in &pod.tasks {
+            task.abort();
+        }
+        let capture_err = EnrolError::capture(uid);
+        {
+            let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+            maps::remove_pod(&mut programs.ebpf, pod.cookie).map_err(capture_err)?;
+        }
+        if let Some(ingress) = &pod.ingress {
+            tc::detach(&pod.netns, ingress).map_err(capture_err)?;
+        }
+        tracing::info!(pod = %uid, netns = %pod.netns_name, "pod removed");
+        Ok(true)
+    }
+
+    /// Removes every pod of `source` whose uid is not in `keep`.
+    pub fn reconcile(
+        &self,
+        source: Source,
+        keep: &HashSet<String>,
+    ) -> Result<Vec<String>, EnrolError> {
+        let stale: Vec<String> = self
+            .pods
+            .lock()
+            .map_err(|_| EnrolError::Poisoned)?
+            .iter()
+            .filter(|(uid, pod)| pod.source == source && !keep.contains(*uid))
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        for uid in &stale {
+            self.remove(uid)?;
+        }
+        Ok(stale)
+    }
+
+    /// Removes kernel state left by an earlier ztunnel for pods that are not
+    /// enrolled now: `POD_CAPTURE` entries and `tc_*` link pins.
+    pub fn remove_stale_kernel_state(&self) -> Result<usize, EnrolError> {
+        let pods = self.pods.lock().map_err(|_| EnrolError::Poisoned)?;
+        let cookies: HashSet<u64> = pods.values().map(|p| p.cookie).collect();
+        let pins: HashSet<String> = pods.keys().map(|uid| tc::pin_name(uid)).collect();
+        drop(pods);
+        let mut removed = 0;
+        let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+        let err = EnrolError::capture("(stale)");
+        for cookie in maps::pod_cookies(&programs.ebpf).map_err(err)? {
+            if !cookies.contains(&cookie) {
+                maps::remove_pod(&mut programs.ebpf, cookie).map_err(err)?;
+                removed += 1;
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(self.pins.links()) {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with("tc_") && !pins.contains(&name) {
+                    let _ = std::fs::remove_file(entry.path());
+                    removed += 1;
+                }
+            }
+        }
+        if removed > 0 {
+            tracing::info!(removed, "removed kernel state of pods no longer enrolled");
+        }
+        Ok(removed)
+    }
+
+    /// The enrolled pods.
+    pub fn list(&self) -> Vec<PodSummary> {
+        self.pods.lock().map_or_else(
+            |_| Vec::new(),
+            |pods| {
+                pods.iter()
+                    .map(|(uid, p)| PodSummary {
+                        uid: uid.clone(),
+                        netns: p.netns_name.clone(),
+                        netns_cookie: p.cookie,
+                        outbound: true,
+                        inbound: p.ingress.is_some(),
+                    })
+                    .collect()
+            },
+        )
+    }
+
+    /// Number of enrolled pods.
+    pub fn len(&self) -> usize {
+        self.pods.lock().map_or(0, |p| p.len())
+    }
+
+    /// Whether no pod is enrolled.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stops accepting on every pod's listeners (drain); attachments stay.
+    pub fn stop_listeners(&self) {
+        if let Ok(pods) = self.pods.lock() {
+            for pod in pods.values() {
+                for task in &pod.tasks {
+                    task.abort();
+                }
+            }
+        }
+    }
+
+    /// Removes every pod (listeners, map entries, TC attachments).
+    pub fn remove_all(&self) -> Result<(), EnrolError> {
+        let uids: Vec<String> = self
+            .pods
+            .lock()
+            .map_err(|_| EnrolError::Poisoned)?
+            .keys()
+            .cloned()
+            .collect();
+        for uid in uids {
+            self.remove(&uid)?;
+        }
+        Ok(())
+    }
+
+    /// The pin root.
+    pub fn pins(&self) -> &PinRoot {
+        &self.pins
+    }
+
+    /// Consumes the registry and returns the programs (for final cleanup).
+    pub fn into_programs(self) -> Option<KernelPrograms> {
+        self.programs.into_inner().ok()
+    }
+}

@@ -1,0 +1,409 @@
+//! The enrolment socket.
+//!
+//! Messages follow Istio's ZDS protocol (same message shapes and field
+//! numbers, decoded with prost), so that Istio's CNI agent can later drive
+//! us: `add` (uid, workload info, and the pod's netns fd as `SCM_RIGHTS`),
+//! `keep` (still there), `del`, and `snapshot_sent` (everything not added or
+//! kept on this connection so far is removed). Every request is answered
+//! with an `ack`, whose `error` is empty on success.
+//!
+//! Transport: a `SOCK_SEQPACKET` unix socket (one message per packet, fds
+//! travel with it), default `/var/run/ztunnel/ztunnel.sock`. In Istio the
+//! node agent listens and ztunnel dials; here ztunnel listens so that a CNI
+//! plugin or the `ztunnel enrol` command can reach the running daemon. The
+//! message handling is independent of who dials.
+
+use std::{
+    collections::HashSet,
+    io::{IoSlice, IoSliceMut},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use nix::sys::socket::{
+    AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
+    UnixAddr, accept, bind, connect, listen, recvmsg, sendmsg, socket,
+};
+use prost::Message as _;
+
+use super::{EnrolRequest, PodRegistry, Source};
+use crate::{netns::PodNetns, state::CaptureOptOut};
+
+/// Default path of the enrolment socket.
+pub const DEFAULT_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
+/// Largest message accepted (requests are a few hundred bytes).
+const MAX_MESSAGE: usize = 64 * 1024;
+
+/// Workload metadata sent with `add`.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct WorkloadInfo {
+    /// Pod name.
+    #[prost(string, tag = "1")]
+    pub name: String,
+    /// Kubernetes namespace.
+    #[prost(string, tag = "2")]
+    pub namespace: String,
+    /// Service account.
+    #[prost(string, tag = "3")]
+    pub service_account: String,
+}
+
+/// Enrol a pod; its netns fd travels as `SCM_RIGHTS`.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct AddWorkload {
+    /// Pod uid.
+    #[prost(string, tag = "1")]
+    pub uid: String,
+    /// Metadata.
+    #[prost(message, optional, tag = "2")]
+    pub workload_info: Option<WorkloadInfo>,
+}
+
+/// The pod is still there (reconnect/snapshot).
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct KeepWorkload {
+    /// Pod uid.
+    #[prost(string, tag = "1")]
+    pub uid: String,
+}
+
+/// Remove a pod.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct DelWorkload {
+    /// Pod uid.
+    #[prost(string, tag = "1")]
+    pub uid: String,
+}
+
+/// Every current pod has been sent on this connection.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct SnapshotSent {}
+
+/// One request.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct WorkloadRequest {
+    /// What is asked.
+    #[prost(oneof = "workload_request::Payload", tags = "1, 2, 3, 5")]
+    pub payload: Option<workload_request::Payload>,
+}
+
+/// The request variants.
+pub mod workload_request {
+    /// What is asked.
+    #[derive(Clone, PartialEq, Eq, prost::Oneof)]
+    pub enum Payload {
+        /// Enrol.
+        #[prost(message, tag = "1")]
+        Add(super::AddWorkload),
+        /// Remove.
+        #[prost(message, tag = "2")]
+        Del(super::DelWorkload),
+        /// Snapshot complete.
+        #[prost(message, tag = "3")]
+        SnapshotSent(super::SnapshotSent),
+        /// Still present.
+        #[prost(message, tag = "5")]
+        Keep(super::KeepWorkload),
+    }
+}
+
+/// Acknowledgement; `error` is empty on success.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct Ack {
+    /// What went wrong, or empty.
+    #[prost(string, tag = "1")]
+    pub error: String,
+}
+
+/// One response.
+#[derive(Clone, PartialEq, Eq, prost::Message)]
+pub struct WorkloadResponse {
+    /// The answer.
+    #[prost(oneof = "workload_response::Payload", tags = "1")]
+    pub payload: Option<workload_response::Payload>,
+}
+
+/// The response variants.
+pub mod workload_response {
+    /// The answer.
+    #[derive(Clone, PartialEq, Eq, prost::Oneof)]
+    pub enum Payload {
+        /// Acknowledgement.
+        #[prost(message, tag = "1")]
+        Ack(super::Ack),
+    }
+}
+
+/// Errors of the enrolment socket.
+#[derive(Debug, thiserror::Error)]
+pub enum ZdsError {
+    /// Socket setup or I/O.
+    #[error("enrolment socket {path}: {source}")]
+    Socket {
+        /// The socket path.
+        path: PathBuf,
+        /// The OS error.
+        source: nix::Error,
+    },
+    /// Creating the socket's folder failed.
+    #[error("cannot create {path}: {source}")]
+    Dir {
+        /// The folder.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The peer sent something that is not a `WorkloadRequest`.
+    #[error("malformed enrolment message: {0}")]
+    Decode(#[from] prost::DecodeError),
+    /// The daemon refused the request.
+    #[error("ztunnel refused: {0}")]
+    Refused(String),
+    /// The peer closed the connection early.
+    #[error("connection closed before an answer")]
+    Closed,
+}
+
+/// Listens on `path` (replacing a stale socket file) and serves each client
+/// on its own thread. Returns once listening.
+pub fn serve(path: &Path, registry: Arc<PodRegistry>) -> Result<(), ZdsError> {
+    let sock_err = |source| ZdsError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| ZdsError::Dir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    let _ = std::fs::remove_file(path);
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(sock_err)?;
+    bind(fd.as_raw_fd(), &UnixAddr::new(path).map_err(sock_err)?).map_err(sock_err)?;
+    listen(&fd, Backlog::new(64).map_err(sock_err)?).map_err(sock_err)?;
+    let label = path.display().to_string();
+    std::thread::Builder::new()
+        .name("enrol-accept".into())
+        .spawn(move || {
+            loop {
+                match accept(fd.as_raw_fd()) {
+                    Ok(client) => {
+                        // SAFETY: accept returned a fresh fd that we own.
+                        let client = unsafe { OwnedFd::from_raw_fd(client) };
+                        let registry = Arc::clone(&registry);
+                        let _ = std::thread::Builder::new()
+                            .name("enrol-client".into())
+                            .spawn(move || serve_client(&client, &registry));
+                    }
+                    Err(e) => {
+                        tracing::warn!(socket = %label, error = %e, "enrolment accept failed");
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
+                }
+            }
+        })
+        .map_err(|e| ZdsError::Dir {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+    Ok(())
+}
+
+/// One received packet and the fd that came with it, if any.
+type Packet = (Vec<u8>, Option<OwnedFd>);
+
+/// Receives one packet and at most one fd (`None` at end of stream).
+fn receive(fd: RawFd) -> Result<Option<Packet>, nix::Error> {
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let mut cmsg = nix::cmsg_space!([RawFd; 4]);
+    let mut iov = [IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(fd, &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let mut received: Vec<OwnedFd> = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(fds) = c {
+            // SAFETY: the kernel installed these fds for us; we own them now.
+            received.extend(fds.into_iter().map(|f| unsafe { OwnedFd::from_raw_fd(f) }));
+        }
+    }
+    let len = msg.bytes;
+    if len == 0 {
+        return Ok(None);
+    }
+    buf.truncate(len);
+    // Extra fds (a confused or hostile peer) are closed when dropped here.
+    let first = if received.is_empty() {
+        None
+    } else {
+        Some(received.remove(0))
+    };
+    Ok(Some((buf, first)))
+}
+
+fn send(fd: RawFd, payload: &[u8], pass: Option<RawFd>) -> Result<(), nix::Error> {
+    let iov = [IoSlice::new(payload)];
+    let fds;
+    let cmsgs: Vec<ControlMessage<'_>> = match pass {
+        Some(f) => {
+            fds = [f];
+            vec![ControlMessage::ScmRights(&fds)]
+        }
+        None => Vec::new(),
+    };
+    sendmsg::<()>(fd, &iov, &cmsgs, MsgFlags::empty(), None)?;
+    Ok(())
+}
+
+fn serve_client(client: &OwnedFd, registry: &PodRegistry) {
+    let mut seen: HashSet<String> = HashSet::new();
+    loop {
+        let (bytes, fd) = match receive(client.as_raw_fd()) {
+            Ok(Some(received)) => received,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "enrolment receive failed");
+                return;
+            }
+        };
+        let error = match WorkloadRequest::decode(bytes.as_slice()) {
+            Ok(request) => handle(request, fd, registry, &mut seen)
+                .err()
+                .unwrap_or_default(),
+            Err(e) => format!("malformed enrolment message (expected a ZDS WorkloadRequest): {e}"),
+        };
+        if !error.is_empty() {
+            tracing::warn!(%error, "enrolment request refused");
+        }
+        let response = WorkloadResponse {
+            payload: Some(workload_response::Payload::Ack(Ack { error })),
+        };
+        if send(client.as_raw_fd(), &response.encode_to_vec(), None).is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(
+    request: WorkloadRequest,
+    fd: Option<OwnedFd>,
+    registry: &PodRegistry,
+    seen: &mut HashSet<String>,
+) -> Result<(), String> {
+    use workload_request::Payload;
+    match request.payload {
+        Some(Payload::Add(add)) => {
+            if add.uid.is_empty() {
+                return Err("add: uid is empty".into());
+            }
+            let fd = fd.ok_or_else(|| {
+                format!(
+                    "add {}: no network namespace fd (SCM_RIGHTS) attached",
+                    add.uid
+                )
+            })?;
+            let name = add.workload_info.as_ref().map_or_else(
+                || format!("fd:{}", add.uid),
+                |w| format!("{}/{}", w.namespace, w.name),
+            );
+            seen.insert(add.uid.clone());
+            registry
+                .enrol(EnrolRequest {
+                    uid: add.uid,
+                    netns: PodNetns::from_fd(name, fd),
+                    capture: CaptureOptOut::default(),
+                    source: Source::Socket,
+                })
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+        Some(Payload::Keep(keep)) => {
+            seen.insert(keep.uid);
+            Ok(())
+        }
+        Some(Payload::Del(del)) => registry
+            .remove(&del.uid)
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        Some(Payload::SnapshotSent(_)) => {
+            let removed = registry
+                .reconcile(Source::Socket, seen)
+                .map_err(|e| e.to_string())?;
+            if !removed.is_empty() {
+                tracing::info!(?removed, "snapshot reconciled: removed pods not re-sent");
+            }
+            Ok(())
+        }
+        None => Err("empty request".into()),
+    }
+}
+
+/// Client side (used by `ztunnel enrol`): sends requests in order on one
+/// connection and returns the first refusal, if any.
+pub fn request(
+    path: &Path,
+    requests: Vec<(WorkloadRequest, Option<OwnedFd>)>,
+) -> Result<(), ZdsError> {
+    let sock_err = |source| ZdsError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(sock_err)?;
+    connect(fd.as_raw_fd(), &UnixAddr::new(path).map_err(sock_err)?).map_err(sock_err)?;
+    for (req, pass) in requests {
+        send(
+            fd.as_raw_fd(),
+            &req.encode_to_vec(),
+            pass.as_ref().map(AsRawFd::as_raw_fd),
+        )
+        .map_err(sock_err)?;
+        let (bytes, _) = receive(fd.as_raw_fd())
+            .map_err(sock_err)?
+            .ok_or(ZdsError::Closed)?;
+        let response = WorkloadResponse::decode(bytes.as_slice())?;
+        let Some(workload_response::Payload::Ack(ack)) = response.payload else {
+            return Err(ZdsError::Closed);
+        };
+        if !ack.error.is_empty() {
+            return Err(ZdsError::Refused(ack.error));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_with_istio_field_numbers() {
+        let req = WorkloadRequest {
+            payload: Some(workload_request::Payload::Keep(KeepWorkload {
+                uid: "u1".into(),
+            })),
+        };
+        let bytes = req.encode_to_vec();
+        // Field 5 (keep), wire type 2: tag byte 0x2a.
+        assert_eq!(bytes[0], 0x2a);
+        assert_eq!(
+            WorkloadRequest::decode(bytes.as_slice()).expect("decode"),
+            req
+        );
+    }
+
+    #[test]
+    fn garbage_is_a_decode_error_not_a_panic() {
+        assert!(WorkloadRequest::decode(&[0xff, 0xff, 0xff][..]).is_err());
+    }
+}

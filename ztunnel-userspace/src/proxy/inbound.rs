@@ -1,0 +1,92 @@
+//! The inbound listeners of a pod.
+//!
+//! - 15006 (plaintext): `capture_ingress` assigned the SYN here with
+//!   `bpf_sk_assign`, so the accepted socket's local address is the original
+//!   destination. The connection is carried to the application from inside
+//!   the pod with a marked socket.
+//! - 15008 (HBONE): peers' mTLS + HTTP/2 CONNECT tunnels terminate here.
+
+use std::net::SocketAddr;
+
+use tokio::net::{TcpListener, TcpStream};
+use tracing::Instrument as _;
+use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
+
+use super::{ProxyError, next_connection_id, relay, socket_factory::SocketFactory};
+
+/// What the inbound path of one pod needs.
+#[derive(Debug, Clone)]
+pub struct InboundContext {
+    /// Pod uid, for logs.
+    pub pod: String,
+    /// Creates marked sockets inside the pod.
+    pub sockets: SocketFactory,
+}
+
+fn is_own_port(port: u16) -> bool {
+    matches!(
+        port,
+        OUTBOUND_PORT | INBOUND_PLAINTEXT_PORT | INBOUND_HBONE_PORT | SOCKS5_PORT
+    )
+}
+
+/// Accepts plaintext inbound connections forever.
+pub async fn serve_plaintext(listener: TcpListener, ctx: InboundContext) {
+    loop {
+        let (stream, client) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(pod = %ctx.pod, error = %e, "inbound accept failed");
+                continue;
+            }
+        };
+        let dst = stream.local_addr();
+        let id = next_connection_id();
+        let span = tracing::info_span!("conn", id, pod = %ctx.pod, direction = "inbound", src = %client, dst = tracing::field::Empty);
+        let ctx = ctx.clone();
+        tokio::spawn(
+            async move {
+                let result = match dst {
+                    Ok(dst) => {
+                        tracing::Span::current().record("dst", tracing::field::display(dst));
+                        plaintext(stream, dst, &ctx).await
+                    }
+                    Err(e) => Err(e.into()),
+                };
+                if let Err(e) = result {
+                    tracing::warn!(error = %e, "inbound connection failed");
+                }
+            }
+            .instrument(span),
+        );
+    }
+}
+
+async fn plaintext(
+    stream: TcpStream,
+    dst: SocketAddr,
+    ctx: &InboundContext,
+) -> Result<(), ProxyError> {
+    if is_own_port(dst.port()) {
+        return Err(ProxyError::OwnPort(dst));
+    }
+    stream.set_nodelay(true)?;
+    let upstream = ctx.sockets.connect(dst).await?;
+    tracing::info!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
+    relay(stream, upstream).await.map(|_| ())
+}
+
+/// Accepts HBONE connections. Until the HBONE data plane lands, a
+/// connection is logged and closed: nothing reaches the application
+/// unauthenticated through this port.
+pub async fn serve_hbone(listener: TcpListener, ctx: InboundContext) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, client)) => {
+                tracing::warn!(pod = %ctx.pod, %client, "HBONE connection accepted on 15008 but the HBONE data plane is not built yet; closing");
+                drop(stream);
+            }
+            Err(e) => tracing::warn!(pod = %ctx.pod, error = %e, "HBONE accept failed"),
+        }
+    }
+}

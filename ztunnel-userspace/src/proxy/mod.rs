@@ -1,0 +1,80 @@
+//! The userspace proxy: listeners inside each enrolled pod, and what happens
+//! to each accepted connection.
+//!
+//! - [`listeners`]: opens 15001/15006/15008 inside a pod's namespace.
+//! - [`socket_factory`]: a thread per pod that creates ztunnel's marked
+//!   sockets inside that pod (sockets keep the namespace they are born in).
+//! - [`outbound`]: 15001, recovers the original destination from the kernel
+//!   and carries the connection (passthrough TCP for now; HBONE next).
+//! - [`inbound`]: 15006, the accepted socket's local address is the
+//!   original destination; 15008, HBONE (mTLS + CONNECT) termination.
+
+pub mod inbound;
+pub mod listeners;
+pub mod outbound;
+pub mod socket_factory;
+
+use std::{
+    net::SocketAddr,
+    sync::atomic::{AtomicU64, Ordering},
+    time::Instant,
+};
+
+use tokio::net::TcpStream;
+
+/// Errors of proxying one connection.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The kernel had no original destination for an accepted connection.
+    #[error("no original destination recorded for client {0} (not captured by our programs?)")]
+    NoOrigDst(SocketAddr),
+    /// The destination is one of ztunnel's own ports (would loop).
+    #[error("destination {0} is one of ztunnel's own ports")]
+    OwnPort(SocketAddr),
+    /// Connecting upstream failed.
+    #[error("connecting to {dst} failed: {source}")]
+    Connect {
+        /// Where.
+        dst: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The pod's socket factory is gone (pod being removed).
+    #[error("the pod's socket factory is gone")]
+    FactoryGone,
+    /// I/O while copying.
+    #[error("copying: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A connection id for log correlation.
+pub fn next_connection_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Copies both ways until both directions are done, honouring half-close,
+/// and logs one line with the byte counts and duration.
+pub async fn relay(
+    mut downstream: TcpStream,
+    mut upstream: TcpStream,
+) -> Result<(u64, u64), ProxyError> {
+    let started = Instant::now();
+    let result = tokio::io::copy_bidirectional(&mut downstream, &mut upstream).await;
+    match result {
+        Ok((sent, received)) => {
+            tracing::info!(
+                bytes_sent = sent,
+                bytes_received = received,
+                duration_ms = started.elapsed().as_millis() as u64,
+                result = "ok",
+                "connection closed"
+            );
+            Ok((sent, received))
+        }
+        Err(e) => {
+            tracing::info!(duration_ms = started.elapsed().as_millis() as u64, result = "error", error = %e, "connection closed");
+            Err(e.into())
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The local-mode config file: one YAML document describing the mesh.
+//!
+//! ```yaml
+//! trustDomain: cluster.local
+//! workloads:
+//!   - uid: pod-a1
+//!     name: app-a1
+//!     namespace: demo
+//!     serviceAccount: a1
+//!     node: node-a
+//!     ips: [10.244.1.10]
+//!     netns: /var/run/netns/app-a1
+//!     protocol: HBONE          # or TCP for a pod outside the mesh
+//!     capture: {inbound: true, outbound: true}
+//! ```
+//!
+//! [`parse`] is a pure function from text to state; syntax and type errors
+//! carry the line and column, and every semantic problem is reported at
+//! once, each naming the field at fault (`workloads[2].uid`).
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+};
+
+use serde::Deserialize;
+
+use super::Workload;
+
+/// Default trust domain (Istio's).
+pub const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LocalConfig {
+    /// SPIFFE trust domain of this mesh.
+    #[serde(default = "default_td")]
+    pub trust_domain: String,
+    /// Every workload of the mesh (all nodes).
+    #[serde(default)]
+    pub workloads: Vec<Workload>,
+}
+
+fn default_td() -> String {
+    DEFAULT_TRUST_DOMAIN.into()
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            trust_domain: default_td(),
+            workloads: Vec::new(),
+        }
+    }
+}
+
+/// Why a config file was rejected.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// YAML syntax or a field of the wrong type (with line and column).
+    #[error("config {path}: {message}")]
+    Syntax {
+        /// The file.
+        path: PathBuf,
+        /// serde_yaml's message, which includes "at line L column C".
+        message: String,
+    },
+    /// The document parsed but says something impossible.
+    #[error("config {path} is invalid:\n  - {}", problems.join("\n  - "))]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// Every problem found.
+        problems: Vec<String>,
+    },
+}
+
+/// Reads and parses a config file.
+pub fn load(path: &Path) -> Result<LocalConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(&text, path)
+}
+
+/// Parses and validates config text; `path` only labels errors.
+pub fn parse(text: &str, path: &Path) -> Result<LocalConfig, ConfigError> {
+    let config: LocalConfig = if text.trim().is_empty() {
+        LocalConfig::default()
+    } else {
+        serde_yaml::from_str(text).map_err(|e| ConfigError::Syntax {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?
+    };
+    let problems = validate(&config);
+    if problems.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigError::Invalid {
+            path: path.to_path_buf(),
+            problems,
+        })
+    }
+}
+
+fn validate(config: &LocalConfig) -> Vec<String> {
+    let mut problems = Vec::new();
+    if config.trust_domain.is_empty() || config.trust_domain.contains('/') {
+        problems.push(format!(
+            "trustDomain: {:?} is not a valid trust domain",
+            config.trust_domain
+        ));
+    }
+    let mut uids = HashSet::new();
+    let mut ips = HashSet::new();
+    for (i, w) in config.workloads.iter().enumerate() {
+        let at = |field: &str| format!("workloads[{i}].{field}");
+        for (field, value) in [
+            ("uid", &w.uid),
+            ("name", &w.name),
+            ("namespace", &w.namespace),
+            ("serviceAccount", &w.service_account),
+            ("node", &w.node),
+        ] {
+            if value.trim().is_empty() {
+                problems.push(format!("{}: must not be empty", at(field)));
+            }
+        }
+        if !w.uid.is_empty() && !uids.insert(w.uid.clone()) {
+            problems.push(format!("{}: duplicate uid {:?}", at("uid"), w.uid));
+        }
+        for ip in &w.ips {
+            if !ips.insert(*ip) {
+                problems.push(format!(
+                    "{}: {ip} is already used by another workload",
+                    at("ips")
+                ));
+            }
+        }
+        if let Some(netns) = &w.netns
+            && !netns.is_absolute()
+        {
+            problems.push(format!(
+                "{}: {} is not an absolute path",
+                at("netns"),
+                netns.display()
+            ));
+        }
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "
+trustDomain: cluster.local
+workloads:
+  - uid: a1
+    name: app-a1
+    namespace: demo
+    serviceAccount: a1
+    node: node-a
+    ips: [10.244.1.10]
+    netns: /var/run/netns/a1
+  - uid: b1
+    name: app-b1
+    namespace: demo
+    node: node-b
+    ips: [10.244.2.10]
+    protocol: TCP
+    capture: {inbound: false}
+";
+
+    #[test]
+    fn parses_a_good_file() {
+        let c = parse(GOOD, Path::new("x.yaml")).expect("valid");
+        assert_eq!(c.workloads.len(), 2);
+        assert_eq!(
+            c.workloads[0].identity(&c.trust_domain),
+            "spiffe://cluster.local/ns/demo/sa/a1"
+        );
+        assert_eq!(c.workloads[1].service_account, "default");
+        assert!(!c.workloads[1].capture.inbound && c.workloads[1].capture.outbound);
+    }
+
+    #[test]
+    fn type_errors_name_the_line() {
+        let bad = GOOD.replace("ips: [10.244.1.10]", "ips: [10.244.1.999]");
+        let err = parse(&bad, Path::new("x.yaml"))
+            .expect_err("bad ip")
+            .to_string();
+        assert!(err.contains("line 9"), "{err}");
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let bad = GOOD.replace("node: node-b", "node: node-b\n    nodee: typo");
+        let err = parse(&bad, Path::new("x.yaml"))
+            .expect_err("unknown field")
+            .to_string();
+        assert!(err.contains("nodee"), "{err}");
+    }
+
+    #[test]
+    fn every_semantic_problem_is_reported_at_once() {
+        let bad = GOOD
+            .replace("uid: b1", "uid: a1")
+            .replace("10.244.2.10", "10.244.1.10")
+            .replace("/var/run/netns/a1", "relative/ns");
+        let err = parse(&bad, Path::new("x.yaml"))
+            .expect_err("invalid")
+            .to_string();
+        assert!(err.contains("workloads[1].uid: duplicate uid"), "{err}");
+        assert!(err.contains("workloads[1].ips"), "{err}");
+        assert!(err.contains("workloads[0].netns"), "{err}");
+    }
+
+    #[test]
+    fn empty_file_is_an_empty_mesh() {
+        assert_eq!(
+            parse("", Path::new("x")).expect("empty ok"),
+            LocalConfig::default()
+        );
+    }
+}

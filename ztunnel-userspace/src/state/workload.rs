@@ -1,0 +1,85 @@
+//! A workload: what the control plane says about one pod.
+
+use std::{net::IpAddr, path::PathBuf};
+
+use serde::Deserialize;
+
+/// How a workload's traffic is carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum WorkloadProtocol {
+    /// Captured by ztunnel; peers reach it over HBONE.
+    #[default]
+    Hbone,
+    /// Not in the mesh; peers reach it with plain TCP.
+    Tcp,
+}
+
+/// Per-pod opt-outs of capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CaptureOptOut {
+    /// Capture the pod's own outbound connections.
+    #[serde(default = "yes")]
+    pub outbound: bool,
+    /// Capture connections arriving at the pod.
+    #[serde(default = "yes")]
+    pub inbound: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for CaptureOptOut {
+    fn default() -> Self {
+        Self {
+            outbound: true,
+            inbound: true,
+        }
+    }
+}
+
+/// One workload.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Workload {
+    /// Unique id (Kubernetes: the pod uid).
+    pub uid: String,
+    /// Pod name.
+    pub name: String,
+    /// Kubernetes namespace.
+    pub namespace: String,
+    /// Service account; with the namespace it forms the SPIFFE identity.
+    #[serde(default = "default_sa")]
+    pub service_account: String,
+    /// Node the pod runs on.
+    pub node: String,
+    /// The pod's addresses.
+    #[serde(default)]
+    pub ips: Vec<IpAddr>,
+    /// Path of the pod's network namespace on the node. Workloads of this
+    /// node that have one are enrolled (captured) on load.
+    #[serde(default)]
+    pub netns: Option<PathBuf>,
+    /// HBONE (meshed) or TCP (not meshed).
+    #[serde(default)]
+    pub protocol: WorkloadProtocol,
+    /// Capture opt-outs.
+    #[serde(default)]
+    pub capture: CaptureOptOut,
+}
+
+fn default_sa() -> String {
+    "default".into()
+}
+
+impl Workload {
+    /// The SPIFFE identity of the workload in `trust_domain`.
+    pub fn identity(&self, trust_domain: &str) -> String {
+        format!(
+            "spiffe://{trust_domain}/ns/{}/sa/{}",
+            self.namespace, self.service_account
+        )
+    }
+}
