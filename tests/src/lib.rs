@@ -15,6 +15,7 @@ pub mod bpffs;
 pub mod cgroup;
 pub mod cluster;
 pub mod flows;
+pub mod kernel;
 pub mod netns;
 pub mod process;
 pub mod skip;

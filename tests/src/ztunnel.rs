@@ -45,6 +45,13 @@ pub struct Ztunnel {
     _cgroup: TestCgroup,
 }
 
+/// Each started ztunnel gets its own log file, so waiting for a line never
+/// matches what an earlier instance wrote.
+fn next_instance() -> u32 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Paths a ztunnel of a node uses, derived from the cluster.
 pub struct ZtunnelPaths {
     /// Pin folder (inside the cluster's private bpffs).
@@ -62,7 +69,9 @@ impl ZtunnelPaths {
         Self {
             bpffs: cluster.bpffs().path().join(format!("ztunnel-{name}")),
             socket: cluster.dir().join(format!("{name}.sock")),
-            log: cluster.dir().join(format!("ztunnel-{name}.log")),
+            log: cluster
+                .dir()
+                .join(format!("ztunnel-{name}-{}.log", next_instance())),
         }
     }
 }

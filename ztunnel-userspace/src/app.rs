@@ -148,16 +148,22 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
             }
         });
     }
+    // Signal handlers go in before "ready": a SIGTERM right after start-up
+    // must drain and clean up, not kill the process.
+    let (mut term, mut int) = {
+        let _guard = runtime.enter();
+        (
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?,
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?,
+        )
+    };
     tracing::info!("ztunnel ready");
-
     runtime.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
+            _ = int.recv() => {}
             _ = term.recv() => {}
         }
-        Ok::<(), std::io::Error>(())
-    })?;
+    });
 
     tracing::info!("shutting down");
     registry.stop_listeners();

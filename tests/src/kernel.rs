@@ -1,0 +1,76 @@
+//! Read-only views of kernel state that tests assert on: programs attached
+//! to a cgroup (`BPF_PROG_QUERY`) and tcx programs on a pod's interface.
+
+use std::{fs::File, os::fd::AsRawFd as _, path::Path};
+
+use aya::programs::{SchedClassifier, TcAttachType};
+use ztunnel::netns::PodNetns;
+
+/// `enum bpf_attach_type` values of the cgroup hooks we use.
+pub mod attach_type {
+    /// `BPF_CGROUP_SOCK_OPS`.
+    pub const SOCK_OPS: u32 = 3;
+    /// `BPF_CGROUP_INET4_CONNECT`.
+    pub const INET4_CONNECT: u32 = 10;
+    /// `BPF_CGROUP_INET6_CONNECT`.
+    pub const INET6_CONNECT: u32 = 11;
+}
+
+/// Number of programs attached directly to `cgroup` for `attach_type`.
+pub fn cgroup_program_count(cgroup: &Path, attach_type: u32) -> u32 {
+    const BPF_PROG_QUERY: libc::c_long = 16;
+    #[repr(C)]
+    #[derive(Default)]
+    struct QueryAttr {
+        target_fd: u32,
+        attach_type: u32,
+        query_flags: u32,
+        attach_flags: u32,
+        prog_ids: u64,
+        prog_cnt: u32,
+        _pad: u32,
+        prog_attach_flags: u64,
+        link_ids: u64,
+        link_attach_flags: u64,
+        revision: u64,
+    }
+    let dir = File::open(cgroup).unwrap_or_else(|e| panic!("open {}: {e}", cgroup.display()));
+    let mut ids = [0u32; 64];
+    let mut attr = QueryAttr {
+        target_fd: dir.as_raw_fd() as u32,
+        attach_type,
+        prog_ids: ids.as_mut_ptr() as u64,
+        prog_cnt: ids.len() as u32,
+        ..QueryAttr::default()
+    };
+    // SAFETY: bpf(2) with a valid attr; `ids` outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_QUERY,
+            &raw mut attr,
+            std::mem::size_of::<QueryAttr>(),
+        )
+    };
+    assert_eq!(
+        rc,
+        0,
+        "BPF_PROG_QUERY failed: {}",
+        std::io::Error::last_os_error()
+    );
+    attr.prog_cnt
+}
+
+/// Names of the tcx programs on `eth0` ingress inside the namespace.
+pub fn tcx_ingress_programs(netns_path: &Path) -> Vec<String> {
+    let ns = PodNetns::open(netns_path).expect("open netns");
+    ns.run(|| {
+        let (_, programs) =
+            SchedClassifier::query_tcx("eth0", TcAttachType::Ingress).expect("query tcx");
+        programs
+            .iter()
+            .map(|p| p.name_as_str().unwrap_or("?").to_owned())
+            .collect::<Vec<_>>()
+    })
+    .expect("enter netns")
+}

@@ -1,0 +1,164 @@
+//! Fail closed when ztunnel dies; take over without duplicates when it
+//! comes back; leave nothing behind on a clean shutdown.
+
+use std::{net::SocketAddr, time::Duration};
+
+use ztunnel_tests::{
+    Cluster,
+    flows::{self, ClientRun, WorkloadEntry},
+    kernel::{attach_type, cgroup_program_count, tcx_ingress_programs},
+    require_root,
+    ztunnel::{Ztunnel, pins_below},
+};
+
+fn assert_single_attachments(cluster: &Cluster, pod_netns: &std::path::Path) {
+    for ty in [
+        attach_type::INET4_CONNECT,
+        attach_type::INET6_CONNECT,
+        attach_type::SOCK_OPS,
+    ] {
+        assert_eq!(
+            cgroup_program_count(cluster.cgroup(), ty),
+            1,
+            "attach type {ty}"
+        );
+    }
+    assert_eq!(
+        tcx_ingress_programs(pod_netns),
+        vec!["capture_ingress".to_owned()]
+    );
+}
+
+#[test]
+fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
+    if !require_root("killed_ztunnel_fails_closed_and_a_restart_takes_over") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-a");
+    cluster.add_pod(node, "app");
+    cluster.add_pod(node, "other");
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("app", "node-a"),
+            WorkloadEntry {
+                enrolled: false,
+                ..WorkloadEntry::enrolled("other", "node-a")
+            },
+        ],
+    );
+    let config = config.to_str().expect("utf-8").to_owned();
+    let (app, other) = (cluster.pod("app"), cluster.pod("other"));
+    let outbound_dst = SocketAddr::from((other.ip, 8080));
+    let inbound_dst = SocketAddr::from((app.ip, 8080));
+    let _other_server = flows::server(other, outbound_dst, "echo");
+    let mut app_server = flows::server(app, inbound_dst, "echo");
+    let run = ClientRun::default();
+
+    let mut z1 = Ztunnel::start(&cluster, node, &["--config", &config]);
+    z1.wait_for_log("pod enrolled", Duration::from_secs(10));
+    flows::assert_ok(&flows::client(app, outbound_dst, &run));
+    flows::assert_ok(&flows::client(other, inbound_dst, &run));
+    let _ = flows::last_peer(&mut app_server);
+    let pins_before = z1.pins();
+    assert_single_attachments(&cluster, &app.netns_path());
+
+    // SIGKILL: no cleanup runs. The pod's traffic must fail, not go direct.
+    z1.kill();
+    let quick = ClientRun {
+        connect_timeout: 2,
+        limit: Duration::from_secs(5),
+        ..ClientRun::default()
+    };
+    let out = flows::client(app, outbound_dst, &quick);
+    assert!(
+        out.stdout.contains("CONNECT-ERROR ConnectionRefused"),
+        "outbound went somewhere: {out:?}"
+    );
+    let inb = flows::client(other, inbound_dst, &quick);
+    assert!(
+        inb.stdout.contains("CONNECT-ERROR"),
+        "inbound reached the app without ztunnel: {inb:?}"
+    );
+    assert_eq!(
+        z1.pins(),
+        pins_before,
+        "pins changed while ztunnel was dead"
+    );
+
+    // Restart: same pins, same single attachments, traffic flows again.
+    let mut z2 = Ztunnel::start(&cluster, node, &["--config", &config]);
+    z2.wait_for_log("took_over=true", Duration::from_secs(5));
+    z2.wait_for_log("pod enrolled", Duration::from_secs(10));
+    flows::assert_ok(&flows::client(app, outbound_dst, &run));
+    flows::assert_ok(&flows::client(other, inbound_dst, &run));
+    assert_single_attachments(&cluster, &app.netns_path());
+    // After the grace period nothing is considered stale.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(z2.pins(), pins_before, "restart leaked or lost pins");
+
+    // A clean stop with pods enrolled keeps the attachments (fail closed)...
+    z2.stop();
+    assert_eq!(z2.pins(), pins_before);
+    // ... and `--cleanup` removes everything.
+    let mut z3 = Ztunnel::start(&cluster, node, &["--config", &config, "--cleanup"]);
+    z3.wait_for_log("pod enrolled", Duration::from_secs(10));
+    z3.stop();
+    assert!(
+        pins_below(&z3.bpffs).is_empty(),
+        "pins left: {:?}",
+        pins_below(&z3.bpffs)
+    );
+    for ty in [
+        attach_type::INET4_CONNECT,
+        attach_type::INET6_CONNECT,
+        attach_type::SOCK_OPS,
+    ] {
+        assert_eq!(cgroup_program_count(cluster.cgroup(), ty), 0);
+    }
+    assert!(tcx_ingress_programs(&app.netns_path()).is_empty());
+    // Without ztunnel and without attachments the pod talks directly again.
+    flows::assert_ok(&flows::client(app, outbound_dst, &run));
+}
+
+#[test]
+fn removing_every_pod_then_stopping_leaves_no_pins() {
+    if !require_root("removing_every_pod_then_stopping_leaves_no_pins") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-a");
+    cluster.add_pod(node, "app");
+    let path = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[WorkloadEntry::enrolled("app", "node-a")],
+    );
+    let mut z = Ztunnel::start(&cluster, node, &["--config", path.to_str().expect("utf-8")]);
+    z.wait_for_log("pod enrolled", Duration::from_secs(10));
+    assert_eq!(
+        tcx_ingress_programs(&cluster.pod("app").netns_path()).len(),
+        1
+    );
+
+    // A bad edit is rejected and the pod stays.
+    std::fs::write(&path, "workloads: [{uid: 1}]\n").expect("write");
+    z.wait_for_log("config change rejected", Duration::from_secs(5));
+    assert_eq!(
+        tcx_ingress_programs(&cluster.pod("app").netns_path()).len(),
+        1
+    );
+
+    // Removing the pod from the config detaches it.
+    std::fs::write(&path, "workloads: []\n").expect("write");
+    z.wait_for_log("pods removed from config", Duration::from_secs(5));
+    assert!(tcx_ingress_programs(&cluster.pod("app").netns_path()).is_empty());
+    z.stop();
+    assert!(
+        pins_below(&z.bpffs).is_empty(),
+        "pins left: {:?}",
+        pins_below(&z.bpffs)
+    );
+}
