@@ -101,6 +101,8 @@ pub struct WorkloadEntry {
     pub outbound: bool,
     /// Capture inbound.
     pub inbound: bool,
+    /// `HBONE` (in the mesh) or `TCP` (outside it).
+    pub protocol: &'static str,
 }
 
 impl WorkloadEntry {
@@ -112,6 +114,16 @@ impl WorkloadEntry {
             enrolled: true,
             outbound: true,
             inbound: true,
+            protocol: "HBONE",
+        }
+    }
+
+    /// A pod outside the mesh (not enrolled, reached with plain TCP).
+    pub fn outside(pod: &str, node: &str) -> Self {
+        Self {
+            enrolled: false,
+            protocol: "TCP",
+            ..Self::enrolled(pod, node)
         }
     }
 }
@@ -131,8 +143,8 @@ pub fn write_config(cluster: &Cluster, file: &str, entries: &[WorkloadEntry]) ->
         }
         let _ = writeln!(
             yaml,
-            "    capture: {{outbound: {}, inbound: {}}}",
-            e.outbound, e.inbound
+            "    capture: {{outbound: {}, inbound: {}}}\n    protocol: {}",
+            e.outbound, e.inbound, e.protocol
         );
     }
     let path = cluster.dir().join(file);

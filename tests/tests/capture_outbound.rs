@@ -32,14 +32,8 @@ fn outbound_connects_are_captured_with_exact_original_destination() {
         "mesh.yaml",
         &[
             WorkloadEntry::enrolled("client", "node-a"),
-            WorkloadEntry {
-                enrolled: false,
-                ..WorkloadEntry::enrolled("server1", "node-a")
-            },
-            WorkloadEntry {
-                enrolled: false,
-                ..WorkloadEntry::enrolled("server2", "node-a")
-            },
+            WorkloadEntry::outside("server1", "node-a"),
+            WorkloadEntry::outside("server2", "node-a"),
         ],
     );
     let (s1, s2, client) = (

@@ -43,10 +43,7 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
         "mesh.yaml",
         &[
             WorkloadEntry::enrolled("app", "node-a"),
-            WorkloadEntry {
-                enrolled: false,
-                ..WorkloadEntry::enrolled("other", "node-a")
-            },
+            WorkloadEntry::outside("other", "node-a"),
         ],
     );
     let config = config.to_str().expect("utf-8").to_owned();

@@ -24,10 +24,7 @@ fn transfers(sockmap: &str) {
         "mesh.yaml",
         &[
             WorkloadEntry::enrolled("client", "node-a"),
-            WorkloadEntry {
-                enrolled: false,
-                ..WorkloadEntry::enrolled("server", "node-a")
-            },
+            WorkloadEntry::outside("server", "node-a"),
         ],
     );
     let (client, server) = (cluster.pod("client"), cluster.pod("server"));

@@ -15,6 +15,20 @@ pub const SOCKS5_PORT: u16 = 15080;
 /// Istio's in-pod ztunnel uses the same value (0x539 = 1337), so operators'
 /// existing rules that key on it keep working.
 pub const ZTUNNEL_MARK: u32 = 0x539;
+/// The bits of a socket mark that identify ztunnel's sockets: a socket whose
+/// `mark & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK` is never captured.
+pub const ZTUNNEL_MARK_MASK: u32 = 0xfff;
+/// Mark of ztunnel's transparent sockets towards a pod's applications
+/// (source = the remote client's IP). It carries [`ZTUNNEL_MARK`] in its low
+/// bits (so it is not captured) plus [`INBOUND_REPLY_BIT`]: with
+/// `tcp_fwmark_accept=1` the application's accepted socket inherits the
+/// mark, and an `ip rule fwmark INBOUND_REPLY_BIT lookup` [`REPLY_ROUTE_TABLE`]
+/// routes its replies back to ztunnel over `lo` instead of out of `eth0`.
+pub const INBOUND_MARK: u32 = ZTUNNEL_MARK | INBOUND_REPLY_BIT;
+/// The bit that marks replies to be routed back to ztunnel.
+pub const INBOUND_REPLY_BIT: u32 = 0x1000;
+/// Routing table (inside each pod namespace) holding `local default dev lo`.
+pub const REPLY_ROUTE_TABLE: u32 = 1337;
 
 /// `AF_INET` as the kernel reports it in socket contexts.
 pub const AF_INET: u16 = 2;

@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use ztunnel_common::{
-    AF_INET, AF_INET6, Counter, IpBytes, OUTBOUND_PORT, OrigDst, POD_CAPTURE_OUTBOUND, ZTUNNEL_MARK,
+    AF_INET, AF_INET6, Counter, IpBytes, OUTBOUND_PORT, OrigDst, POD_CAPTURE_OUTBOUND, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
@@ -64,7 +64,7 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         return Err(());
     }
     // SAFETY: `sk` is non-null and a full socket in connect hooks.
-    if unsafe { (*sk).mark } == ZTUNNEL_MARK {
+    if unsafe { (*sk).mark } & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
         count(Counter::ConnectSkippedMark);
         return Err(());
     }

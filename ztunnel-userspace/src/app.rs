@@ -24,7 +24,13 @@ use crate::{
     enrol::{self, EnrolError, EnrolRequest, PodRegistry, Source, zds::ZdsError},
     loader::{self, LoaderError},
     netns::PodNetns,
-    state::local::{self, ConfigError, LocalConfig},
+    hbone::pool::HbonePool,
+    identity::{CertManager, Identity, ca::CertificateAuthority},
+    proxy::Shared,
+    state::{
+        MeshState, StateHandle,
+        local::{self, ConfigError, LocalConfig},
+    },
 };
 
 /// Everything the daemon is configured with (built from flags by `main`).
@@ -53,6 +59,30 @@ pub struct Settings {
     pub reconcile_grace: Duration,
     /// Data-plane worker threads.
     pub worker_threads: usize,
+    /// Where workload certificates come from.
+    pub ca: CaSource,
+    /// Lifetime of issued workload certificates.
+    pub cert_lifetime: Duration,
+    /// Idle pooled HBONE connections are closed after this long.
+    pub pool_idle_timeout: Duration,
+}
+
+/// Where workload certificates come from.
+#[derive(Debug, Clone)]
+pub enum CaSource {
+    /// The built-in development CA, kept in this folder (shared by every
+    /// node of a local-mode mesh, generated on first use).
+    Development(PathBuf),
+    /// A CA certificate and key; with `root`, the certificate is an
+    /// intermediate and `root` the trust anchor.
+    Files {
+        /// Signing certificate (PEM).
+        cert: PathBuf,
+        /// Its private key (PEM).
+        key: PathBuf,
+        /// Root, when `cert` is an intermediate.
+        root: Option<PathBuf>,
+    },
 }
 
 /// Why the daemon stopped with an error.
@@ -82,6 +112,9 @@ pub enum AppError {
     /// Runtime trouble.
     #[error("runtime: {0}")]
     Io(#[from] std::io::Error),
+    /// The CA could not be loaded or created.
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityError),
 }
 
 /// Runs the daemon until SIGTERM/SIGINT.
@@ -94,6 +127,20 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
     // Read the config before touching the kernel: a bad file must not leave
     // half a setup behind.
     let initial = settings.config.as_deref().map(local::load).transpose()?;
+    let trust_domain = initial
+        .as_ref()
+        .map_or_else(|| local::DEFAULT_TRUST_DOMAIN.to_owned(), |c| c.trust_domain.clone());
+    let ca = match &settings.ca {
+        CaSource::Development(dir) => CertificateAuthority::development(dir, &trust_domain)?,
+        CaSource::Files { cert, key, root } => CertificateAuthority::from_files(cert, key, root.as_deref())?,
+    };
+    let certs = Arc::new(CertManager::new(ca, settings.cert_lifetime));
+    let state = StateHandle::new(MeshState::new(initial.clone().unwrap_or_default()));
+    let shared = Shared {
+        state: state.clone(),
+        certs: Arc::clone(&certs),
+        pool: Arc::new(HbonePool::new(certs, settings.pool_idle_timeout)),
+    };
 
     let pins = PinRoot::prepare(&settings.bpffs)?;
     let mut programs = loader::load(&pins).map_err(Box::new)?;
@@ -120,6 +167,7 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
             pins.clone(),
             settings.tc_mode,
             runtime.handle().clone(),
+            shared,
         )
         .map_err(Box::new)?,
     );
@@ -204,6 +252,7 @@ pub fn apply_config(registry: &PodRegistry, config: &LocalConfig, node: &str) {
             uid: w.uid.clone(),
             netns,
             capture: w.capture,
+            identity: Identity::new(&config.trust_domain, &w.namespace, &w.service_account),
             source: Source::Config,
         };
         if let Err(e) = registry.enrol(request) {
@@ -242,6 +291,7 @@ fn watch_config(path: PathBuf, registry: Arc<PodRegistry>, node: String) {
                 match local::parse(&text, &path) {
                     Ok(config) => {
                         tracing::info!(config = %path.display(), "config changed: applying");
+                        registry.shared().state.replace(MeshState::new(config.clone()));
                         apply_config(&registry, &config, &node);
                     }
                     Err(e) => tracing::error!(error = %e, "config change rejected; keeping the last good config"),

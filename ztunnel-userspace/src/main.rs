@@ -102,6 +102,27 @@ struct RunArgs {
     /// Data-plane worker threads.
     #[arg(long, default_value_t = 2)]
     worker_threads: usize,
+    /// Folder of the built-in development CA (created on first use; point
+    /// every node of a local-mode mesh at the same one). Ignored with
+    /// --ca-cert.
+    #[arg(long, env = "ZTUNNEL_CA_DIR", default_value = "/var/lib/ztunnel/dev-ca")]
+    ca_dir: PathBuf,
+    /// CA certificate (PEM) to issue workload certificates with, instead of
+    /// the development CA. Needs --ca-key.
+    #[arg(long, requires = "ca_key")]
+    ca_cert: Option<PathBuf>,
+    /// Private key (PEM) of --ca-cert.
+    #[arg(long, requires = "ca_cert")]
+    ca_key: Option<PathBuf>,
+    /// Root certificate (PEM) when --ca-cert is an intermediate.
+    #[arg(long, requires = "ca_cert")]
+    ca_root: Option<PathBuf>,
+    /// Lifetime of workload certificates, in seconds (rotated at half-life).
+    #[arg(long, default_value_t = 24 * 3600)]
+    cert_lifetime: u64,
+    /// Seconds after which an idle pooled HBONE connection is closed.
+    #[arg(long, default_value_t = 300)]
+    pool_idle_timeout: u64,
 }
 
 #[derive(clap::Args)]
@@ -191,6 +212,16 @@ fn settings(args: RunArgs) -> app::Settings {
         enrol_socket: Some(args.enrol_socket),
         reconcile_grace: Duration::from_secs(args.reconcile_grace),
         worker_threads: args.worker_threads,
+        ca: match (args.ca_cert, args.ca_key) {
+            (Some(cert), Some(key)) => app::CaSource::Files {
+                cert,
+                key,
+                root: args.ca_root,
+            },
+            _ => app::CaSource::Development(args.ca_dir),
+        },
+        cert_lifetime: Duration::from_secs(args.cert_lifetime.max(60)),
+        pool_idle_timeout: Duration::from_secs(args.pool_idle_timeout.max(1)),
     }
 }
 

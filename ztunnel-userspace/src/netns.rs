@@ -133,6 +133,33 @@ impl PodNetns {
     }
 }
 
+impl PodNetns {
+    /// The addresses of the namespace's interfaces, loopback and link-local
+    /// excluded (a pod's own IPs).
+    pub fn addresses(&self) -> Result<Vec<std::net::IpAddr>, NetnsError> {
+        self.run(|| {
+            let mut out = Vec::new();
+            if let Ok(addrs) = nix::ifaddrs::getifaddrs() {
+                for a in addrs {
+                    let Some(addr) = a.address else { continue };
+                    let ip: Option<std::net::IpAddr> = if let Some(v4) = addr.as_sockaddr_in() {
+                        Some(v4.ip().into())
+                    } else {
+                        addr.as_sockaddr_in6().map(|v6| v6.ip().into())
+                    };
+                    if let Some(ip) = ip {
+                        let link_local = matches!(ip, std::net::IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) == 0xfe80);
+                        if !ip.is_loopback() && !link_local && !out.contains(&ip) {
+                            out.push(ip);
+                        }
+                    }
+                }
+            }
+            out
+        })
+    }
+}
+
 impl AsFd for PodNetns {
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.fd.as_fd()

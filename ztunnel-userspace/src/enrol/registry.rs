@@ -17,10 +17,14 @@ use crate::{
     },
     loader::KernelPrograms,
     netns::{NetnsError, PodNetns},
+    hbone::server::HboneServer,
+    identity::Identity,
     proxy::{
+        PodContext, Shared,
         inbound::{self, InboundContext},
         listeners::{self, ListenError},
         outbound::{self, OutboundContext},
+        pod_routing,
         socket_factory::SocketFactory,
     },
     state::CaptureOptOut,
@@ -48,6 +52,8 @@ pub struct EnrolRequest {
     pub netns: PodNetns,
     /// Opt-outs.
     pub capture: CaptureOptOut,
+    /// The pod's workload identity.
+    pub identity: Identity,
     /// Who asked.
     pub source: Source,
 }
@@ -136,6 +142,7 @@ pub struct PodRegistry {
     orig_dst: Arc<Mutex<OrigDstTable>>,
     pods: Mutex<BTreeMap<String, EnrolledPod>>,
     runtime: tokio::runtime::Handle,
+    shared: Shared,
 }
 
 impl std::fmt::Debug for PodRegistry {
@@ -151,6 +158,7 @@ impl PodRegistry {
         pins: PinRoot,
         tc_mode: TcMode,
         runtime: tokio::runtime::Handle,
+        shared: Shared,
     ) -> Result<Self, CaptureError> {
         let orig_dst = OrigDstTable::take(&mut programs.ebpf)?;
         Ok(Self {
@@ -160,6 +168,7 @@ impl PodRegistry {
             orig_dst: Arc::new(Mutex::new(orig_dst)),
             pods: Mutex::new(BTreeMap::new()),
             runtime,
+            shared,
         })
     }
 
@@ -228,7 +237,16 @@ impl PodRegistry {
             ingress
         };
 
-        let tasks = self.spawn_listeners(&uid, cookie, &sockets, listeners)?;
+        let ips = req.netns.addresses().map_err(|e| EnrolError::Netns { uid: uid.clone(), source: Box::new(e) })?;
+        pod_routing::install(&req.netns).map_err(|e| EnrolError::Io { uid: uid.clone(), source: std::io::Error::other(e) })?;
+        let context = PodContext {
+            uid: uid.clone(),
+            identity: req.identity.clone(),
+            ips,
+            netns_cookie: cookie,
+            sockets,
+        };
+        let tasks = self.spawn_listeners(&context, listeners)?;
         let pod = EnrolledPod {
             netns_name: req.netns.name().to_owned(),
             cookie,
@@ -237,7 +255,7 @@ impl PodRegistry {
             ingress,
             tasks,
         };
-        tracing::info!(pod = %uid, netns = %pod.netns_name, cookie, outbound = req.capture.outbound, inbound = req.capture.inbound, "pod enrolled");
+        tracing::info!(pod = %uid, netns = %pod.netns_name, cookie, identity = %req.identity, outbound = req.capture.outbound, inbound = req.capture.inbound, "pod enrolled");
         self.pods
             .lock()
             .map_err(|_| EnrolError::Poisoned)?
@@ -245,52 +263,38 @@ impl PodRegistry {
         Ok(true)
     }
 
-    fn spawn_listeners(
-        &self,
-        uid: &str,
-        cookie: u64,
-        sockets: &SocketFactory,
-        listeners: listeners::PodListeners,
-    ) -> Result<Vec<AbortHandle>, EnrolError> {
+    fn spawn_listeners(&self, pod: &PodContext, listeners: listeners::PodListeners) -> Result<Vec<AbortHandle>, EnrolError> {
         let _guard = self.runtime.enter();
-        let io = |source| EnrolError::Io {
-            uid: uid.to_owned(),
-            source,
-        };
+        let uid = pod.uid.clone();
+        let io = |source| EnrolError::Io { uid: uid.clone(), source };
+        let tls = crate::tls::server_config(&self.shared.certs, &pod.identity).map_err(|e| EnrolError::Io {
+            uid: uid.clone(),
+            source: std::io::Error::other(e),
+        })?;
         let mut tasks = Vec::new();
         let out_ctx = OutboundContext {
-            pod: uid.to_owned(),
-            netns_cookie: cookie,
+            pod: pod.clone(),
             orig_dst: Arc::clone(&self.orig_dst),
-            sockets: sockets.clone(),
+            shared: self.shared.clone(),
         };
-        let in_ctx = InboundContext {
-            pod: uid.to_owned(),
-            sockets: sockets.clone(),
+        let in_ctx = InboundContext::from(pod);
+        let hbone = HboneServer {
+            pod: pod.uid.clone(),
+            identity: pod.identity.clone(),
+            tls,
+            sockets: pod.sockets.clone(),
         };
         for l in listeners.outbound {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
-            tasks.push(
-                self.runtime
-                    .spawn(outbound::serve(l, out_ctx.clone()))
-                    .abort_handle(),
-            );
+            tasks.push(self.runtime.spawn(outbound::serve(l, out_ctx.clone())).abort_handle());
         }
         for l in listeners.inbound_plaintext {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
-            tasks.push(
-                self.runtime
-                    .spawn(inbound::serve_plaintext(l, in_ctx.clone()))
-                    .abort_handle(),
-            );
+            tasks.push(self.runtime.spawn(inbound::serve_plaintext(l, in_ctx.clone())).abort_handle());
         }
         for l in listeners.inbound_hbone {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
-            tasks.push(
-                self.runtime
-                    .spawn(inbound::serve_hbone(l, in_ctx.clone()))
-                    .abort_handle(),
-            );
+            tasks.push(self.runtime.spawn(crate::hbone::server::serve(l, hbone.clone())).abort_handle());
         }
         Ok(tasks)
     }
@@ -316,6 +320,9 @@ impl PodRegistry {
         }
         if let Some(ingress) = &pod.ingress {
             tc::detach(&pod.netns, ingress).map_err(capture_err)?;
+        }
+        if let Err(e) = pod_routing::remove(&pod.netns) {
+            tracing::warn!(pod = %uid, error = %e, "could not remove reply routing");
         }
         tracing::info!(pod = %uid, netns = %pod.netns_name, "pod removed");
         Ok(true)
@@ -424,6 +431,22 @@ impl PodRegistry {
             self.remove(&uid)?;
         }
         Ok(())
+    }
+
+    /// The identity of pod `uid`: its workload's from the mesh state, or
+    /// built from the namespace and service account the enroller sent.
+    pub fn identity_for(&self, uid: &str, namespace: &str, service_account: &str) -> Identity {
+        let state = self.shared.state.current();
+        if let Some(w) = state.workload(uid) {
+            return state.identity(w);
+        }
+        let or_default = |s: &str| if s.is_empty() { "default".to_owned() } else { s.to_owned() };
+        Identity::new(state.trust_domain(), &or_default(namespace), &or_default(service_account))
+    }
+
+    /// The shared proxy parts.
+    pub fn shared(&self) -> &Shared {
+        &self.shared
     }
 
     /// The pin root.

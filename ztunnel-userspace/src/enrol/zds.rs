@@ -311,12 +311,15 @@ fn handle(
                 || format!("fd:{}", add.uid),
                 |w| format!("{}/{}", w.namespace, w.name),
             );
+            let info = add.workload_info.clone().unwrap_or_default();
+            let identity = registry.identity_for(&add.uid, &info.namespace, &info.service_account);
             seen.insert(add.uid.clone());
             registry
                 .enrol(EnrolRequest {
                     uid: add.uid,
                     netns: PodNetns::from_fd(name, fd),
                     capture: CaptureOptOut::default(),
+                    identity,
                     source: Source::Socket,
                 })
                 .map(|_| ())

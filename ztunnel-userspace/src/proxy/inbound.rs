@@ -4,7 +4,7 @@
 //!   `bpf_sk_assign`, so the accepted socket's local address is the original
 //!   destination. The connection is carried to the application from inside
 //!   the pod with a marked socket.
-//! - 15008 (HBONE): peers' mTLS + HTTP/2 CONNECT tunnels terminate here.
+//! - 15008 (HBONE) is served by [`crate::hbone::server`].
 
 use std::net::SocketAddr;
 
@@ -12,7 +12,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
 
-use super::{ProxyError, next_connection_id, relay, socket_factory::SocketFactory};
+use super::{PodContext, ProxyError, next_connection_id, relay, socket_factory::SocketFactory};
 
 /// What the inbound path of one pod needs.
 #[derive(Debug, Clone)]
@@ -21,6 +21,15 @@ pub struct InboundContext {
     pub pod: String,
     /// Creates marked sockets inside the pod.
     pub sockets: SocketFactory,
+}
+
+impl From<&PodContext> for InboundContext {
+    fn from(pod: &PodContext) -> Self {
+        Self {
+            pod: pod.uid.clone(),
+            sockets: pod.sockets.clone(),
+        }
+    }
 }
 
 fn is_own_port(port: u16) -> bool {
@@ -49,7 +58,7 @@ pub async fn serve_plaintext(listener: TcpListener, ctx: InboundContext) {
                 let result = match dst {
                     Ok(dst) => {
                         tracing::Span::current().record("dst", tracing::field::display(dst));
-                        plaintext(stream, dst, &ctx).await
+                        plaintext(stream, client, dst, &ctx).await
                     }
                     Err(e) => Err(e.into()),
                 };
@@ -62,31 +71,13 @@ pub async fn serve_plaintext(listener: TcpListener, ctx: InboundContext) {
     }
 }
 
-async fn plaintext(
-    stream: TcpStream,
-    dst: SocketAddr,
-    ctx: &InboundContext,
-) -> Result<(), ProxyError> {
+async fn plaintext(stream: TcpStream, client: SocketAddr, dst: SocketAddr, ctx: &InboundContext) -> Result<(), ProxyError> {
     if is_own_port(dst.port()) {
         return Err(ProxyError::OwnPort(dst));
     }
     stream.set_nodelay(true)?;
-    let upstream = ctx.sockets.connect(dst).await?;
+    // From the client's own IP (transparent), so the application sees it.
+    let upstream = ctx.sockets.connect_from(dst, Some(client.ip())).await?;
     tracing::info!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
     relay(stream, upstream).await.map(|_| ())
-}
-
-/// Accepts HBONE connections. Until the HBONE data plane lands, a
-/// connection is logged and closed: nothing reaches the application
-/// unauthenticated through this port.
-pub async fn serve_hbone(listener: TcpListener, ctx: InboundContext) {
-    loop {
-        match listener.accept().await {
-            Ok((stream, client)) => {
-                tracing::warn!(pod = %ctx.pod, %client, "HBONE connection accepted on 15008 but the HBONE data plane is not built yet; closing");
-                drop(stream);
-            }
-            Err(e) => tracing::warn!(pod = %ctx.pod, error = %e, "HBONE accept failed"),
-        }
-    }
 }

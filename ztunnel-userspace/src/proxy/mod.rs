@@ -12,15 +12,57 @@
 pub mod inbound;
 pub mod listeners;
 pub mod outbound;
+pub mod pod_routing;
 pub mod socket_factory;
 
 use std::{
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
+    sync::Arc,
     sync::atomic::{AtomicU64, Ordering},
     time::Instant,
 };
 
 use tokio::net::TcpStream;
+
+use crate::{
+    hbone::pool::HbonePool,
+    identity::{CertManager, Identity},
+    state::StateHandle,
+};
+
+/// What every pod's proxy shares: the mesh state, certificates and the
+/// HBONE connection pool.
+#[derive(Debug, Clone)]
+pub struct Shared {
+    /// Current mesh state (swapped on config reload).
+    pub state: StateHandle,
+    /// Workload certificates.
+    pub certs: Arc<CertManager>,
+    /// Pooled HBONE connections.
+    pub pool: Arc<HbonePool>,
+}
+
+/// A pod as the proxy sees it.
+#[derive(Debug, Clone)]
+pub struct PodContext {
+    /// Pod uid, for logs.
+    pub uid: String,
+    /// The pod's workload identity.
+    pub identity: Identity,
+    /// The pod's addresses (from its `eth0`).
+    pub ips: Vec<IpAddr>,
+    /// The pod's netns cookie (part of the `ORIG_DST` key).
+    pub netns_cookie: u64,
+    /// Creates ztunnel's sockets inside the pod.
+    pub sockets: socket_factory::SocketFactory,
+}
+
+impl PodContext {
+    /// The pod's address of the same family as `other`.
+    pub fn ip_like(&self, other: IpAddr) -> Option<IpAddr> {
+        self.ips.iter().copied().find(|ip| ip.is_ipv6() == other.is_ipv6())
+    }
+}
 
 /// Errors of proxying one connection.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +87,15 @@ pub enum ProxyError {
     /// I/O while copying.
     #[error("copying: {0}")]
     Io(#[from] std::io::Error),
+    /// The HBONE leg failed.
+    #[error(transparent)]
+    Hbone(#[from] crate::hbone::HboneError),
+    /// The outbound traffic policy refused the destination.
+    #[error("denied: {0}")]
+    Denied(&'static str),
+    /// The pod has no address of the needed family.
+    #[error("pod has no {0} address")]
+    NoPodAddress(&'static str),
 }
 
 /// A connection id for log correlation.

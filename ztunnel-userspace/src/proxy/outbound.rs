@@ -3,32 +3,36 @@
 //!
 //! For each accepted connection the original destination is taken from the
 //! kernel's `ORIG_DST` map (keyed by the pod's netns cookie and the client's
-//! address as `accept()` reports it), then the connection is carried to it.
-//! Today that is plain TCP from inside the pod with a marked socket; the
-//! HBONE path for meshed destinations plugs in here.
+//! address as `accept()` reports it), then routed with the mesh state:
+//! a meshed workload (or a service endpoint that is one) goes over HBONE to
+//! its pod's port 15008, anything else as plain TCP from inside the pod, and
+//! a destination the outbound policy refuses is closed.
 
 use std::{
     net::SocketAddr,
     sync::{Arc, Mutex},
+    time::Instant,
 };
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 
-use super::{ProxyError, next_connection_id, relay, socket_factory::SocketFactory};
-use crate::capture::maps::OrigDstTable;
+use super::{PodContext, ProxyError, Shared, next_connection_id, relay};
+use crate::{
+    capture::maps::OrigDstTable,
+    hbone::{copy, pool::{PoolKey, hbone_addr}},
+    state::Route,
+};
 
 /// What the outbound path of one pod needs.
 #[derive(Debug, Clone)]
 pub struct OutboundContext {
-    /// Pod uid, for logs.
-    pub pod: String,
-    /// The pod's netns cookie (part of the `ORIG_DST` key).
-    pub netns_cookie: u64,
+    /// The pod.
+    pub pod: PodContext,
     /// Shared `ORIG_DST` map.
     pub orig_dst: Arc<Mutex<OrigDstTable>>,
-    /// Creates marked sockets inside the pod.
-    pub sockets: SocketFactory,
+    /// State, certificates, pool.
+    pub shared: Shared,
 }
 
 /// Accepts forever (until the task is aborted on pod removal).
@@ -37,7 +41,7 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
         let (stream, client) = match listener.accept().await {
             Ok(accepted) => accepted,
             Err(e) => {
-                tracing::warn!(pod = %ctx.pod, error = %e, "outbound accept failed");
+                tracing::warn!(pod = %ctx.pod.uid, error = %e, "outbound accept failed");
                 continue;
             }
         };
@@ -45,21 +49,21 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
             .orig_dst
             .lock()
             .ok()
-            .and_then(|mut table| table.take_entry(ctx.netns_cookie, client));
+            .and_then(|mut table| table.take_entry(ctx.pod.netns_cookie, client));
         let id = next_connection_id();
-        let span = tracing::info_span!("conn", id, pod = %ctx.pod, direction = "outbound", src = %client, dst = tracing::field::Empty);
+        let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", src = %client, dst = tracing::field::Empty);
         let ctx = ctx.clone();
         tokio::spawn(
             async move {
                 let result = match orig {
                     Some(dst) => {
                         tracing::Span::current().record("dst", tracing::field::display(dst));
-                        passthrough(stream, dst, &ctx).await
+                        handle(stream, dst, &ctx).await
                     }
                     None => Err(ProxyError::NoOrigDst(client)),
                 };
                 if let Err(e) = result {
-                    tracing::warn!(error = %e, "outbound connection failed");
+                    tracing::warn!(error = %e, result = "error", "outbound connection failed");
                 }
             }
             .instrument(span),
@@ -67,13 +71,53 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
     }
 }
 
-async fn passthrough(
-    stream: tokio::net::TcpStream,
-    dst: SocketAddr,
-    ctx: &OutboundContext,
-) -> Result<(), ProxyError> {
+/// Routes and carries one captured connection to its original destination.
+pub async fn handle(stream: TcpStream, dst: SocketAddr, ctx: &OutboundContext) -> Result<(), ProxyError> {
     stream.set_nodelay(true)?;
-    let upstream = ctx.sockets.connect(dst).await?;
-    tracing::info!(orig_dst = %dst, path = "passthrough", "outbound connection opened");
-    relay(stream, upstream).await.map(|_| ())
+    let route = ctx.shared.state.current().route(dst);
+    match route {
+        Route::Passthrough { target } => {
+            let upstream = ctx.pod.sockets.connect(target).await?;
+            tracing::info!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
+            relay(stream, upstream).await.map(|_| ())
+        }
+        Route::Hbone { target, identity, workload } => {
+            let src_ip = ctx
+                .pod
+                .ip_like(target.ip())
+                .ok_or(ProxyError::NoPodAddress(if target.is_ipv6() { "IPv6" } else { "IPv4" }))?;
+            let key = PoolKey {
+                src_ip,
+                src: ctx.pod.identity.clone(),
+                dst: hbone_addr(target.ip()),
+                dst_identity: identity.clone(),
+            };
+            let client = SocketAddr::new(src_ip, stream.peer_addr().map_or(0, |a| a.port()));
+            let started = Instant::now();
+            let tunnel = ctx.shared.pool.connect(key, &ctx.pod.sockets, target, client).await?;
+            tracing::info!(
+                orig_dst = %dst,
+                target = %target,
+                dst_workload = %workload,
+                src_identity = %ctx.pod.identity,
+                dst_identity = %identity,
+                hbone_connection = tunnel.connection,
+                path = "hbone",
+                "outbound connection opened"
+            );
+            let (sent, received) = copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await?;
+            tracing::info!(
+                bytes_sent = sent,
+                bytes_received = received,
+                duration_ms = started.elapsed().as_millis() as u64,
+                result = "ok",
+                "connection closed"
+            );
+            Ok(())
+        }
+        Route::Deny { reason } => {
+            tracing::info!(orig_dst = %dst, path = "denied", %reason, result = "denied", "outbound connection denied");
+            Err(ProxyError::Denied(reason))
+        }
+    }
 }

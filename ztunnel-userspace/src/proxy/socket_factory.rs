@@ -15,12 +15,14 @@ use std::{
 
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::sync::oneshot;
-use ztunnel_common::ZTUNNEL_MARK;
+use ztunnel_common::{INBOUND_MARK, ZTUNNEL_MARK};
 
 use crate::netns::PodNetns;
 
 struct Request {
     v6: bool,
+    /// Transparent source address (inbound legs), or `None`.
+    source: Option<std::net::IpAddr>,
     reply: oneshot::Sender<std::io::Result<TcpStream>>,
 }
 
@@ -53,7 +55,7 @@ impl SocketFactory {
             }
             // Ends when every sender is dropped.
             while let Ok(req) = rx.recv() {
-                let _ = req.reply.send(marked_stream_socket(req.v6));
+                let _ = req.reply.send(marked_stream_socket(req.v6, req.source));
             }
         })?;
         ready_rx
@@ -62,20 +64,32 @@ impl SocketFactory {
         Ok(Self { requests: tx })
     }
 
-    /// A fresh, unconnected, non-blocking TCP socket inside the pod, marked.
-    pub async fn socket(&self, v6: bool) -> Option<std::io::Result<TcpStream>> {
+    /// A fresh, unconnected, non-blocking TCP socket inside the pod, marked;
+    /// with `source`, transparent and bound to that (foreign) address.
+    pub async fn socket(&self, v6: bool, source: Option<std::net::IpAddr>) -> Option<std::io::Result<TcpStream>> {
         let (reply, rx) = oneshot::channel();
-        self.requests.send(Request { v6, reply }).ok()?;
+        self.requests.send(Request { v6, source, reply }).ok()?;
         rx.await.ok()
     }
 
     /// Connects to `dst` from inside the pod with a marked socket.
-    pub async fn connect(
+    pub async fn connect(&self, dst: SocketAddr) -> Result<tokio::net::TcpStream, super::ProxyError> {
+        self.connect_from(dst, None).await
+    }
+
+    /// Connects to `dst` from inside the pod; with `source`, the connection
+    /// comes from that IP (the original client), so the application sees
+    /// the real peer.
+    pub async fn connect_from(
         &self,
         dst: SocketAddr,
+        source: Option<std::net::IpAddr>,
     ) -> Result<tokio::net::TcpStream, super::ProxyError> {
+        // A v4 client towards a v6 destination (or the reverse) cannot be
+        // spoofed; fall back to the pod's own address.
+        let source = source.filter(|s| s.is_ipv6() == dst.is_ipv6());
         let std_stream = self
-            .socket(dst.is_ipv6())
+            .socket(dst.is_ipv6(), source)
             .await
             .ok_or(super::ProxyError::FactoryGone)?
             .map_err(|source| super::ProxyError::Connect { dst, source })?;
@@ -89,10 +103,39 @@ impl SocketFactory {
     }
 }
 
-fn marked_stream_socket(v6: bool) -> std::io::Result<TcpStream> {
+fn marked_stream_socket(v6: bool, source: Option<std::net::IpAddr>) -> std::io::Result<TcpStream> {
     let domain = if v6 { Domain::IPV6 } else { Domain::IPV4 };
     let socket = Socket::new(domain, Type::STREAM.cloexec(), Some(Protocol::TCP))?;
-    socket.set_mark(ZTUNNEL_MARK)?;
+    if let Some(source) = source {
+        socket.set_mark(INBOUND_MARK)?;
+        set_transparent(&socket, v6)?;
+        socket.bind(&SocketAddr::new(source, 0).into())?;
+    } else {
+        socket.set_mark(ZTUNNEL_MARK)?;
+    }
     socket.set_nonblocking(true)?;
     Ok(socket.into())
+}
+
+/// `IP_TRANSPARENT` / `IPV6_TRANSPARENT`: lets the socket bind a foreign
+/// address (the client's).
+fn set_transparent(socket: &Socket, v6: bool) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let (level, name) = if v6 {
+        (libc::SOL_IPV6, libc::IPV6_TRANSPARENT)
+    } else {
+        (libc::SOL_IP, libc::IP_TRANSPARENT)
+    };
+    let one: libc::c_int = 1;
+    // SAFETY: valid fd and a c_int option value of the declared size.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            level,
+            name,
+            (&raw const one).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }

@@ -12,6 +12,13 @@
 //!     netns: /var/run/netns/app-a1
 //!     protocol: HBONE          # or TCP for a pod outside the mesh
 //!     capture: {inbound: true, outbound: true}
+//! services:
+//!   - name: web
+//!     namespace: demo
+//!     vips: [10.96.0.10]
+//!     ports: [{port: 80, targetPort: 8080}]
+//!     endpoints: [pod-a1]       # workload uids
+//! outboundTrafficPolicy: ALLOW_ANY   # or REGISTRY_ONLY
 //! ```
 //!
 //! [`parse`] is a pure function from text to state; syntax and type errors
@@ -25,7 +32,7 @@ use std::{
 
 use serde::Deserialize;
 
-use super::Workload;
+use super::{Service, Workload, mesh::OutboundTrafficPolicy};
 
 /// Default trust domain (Istio's).
 pub const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
@@ -40,6 +47,12 @@ pub struct LocalConfig {
     /// Every workload of the mesh (all nodes).
     #[serde(default)]
     pub workloads: Vec<Workload>,
+    /// Services (VIPs in front of workloads).
+    #[serde(default)]
+    pub services: Vec<Service>,
+    /// What to do with destinations the mesh does not know.
+    #[serde(default)]
+    pub outbound_traffic_policy: OutboundTrafficPolicy,
 }
 
 fn default_td() -> String {
@@ -51,6 +64,8 @@ impl Default for LocalConfig {
         Self {
             trust_domain: default_td(),
             workloads: Vec::new(),
+            services: Vec::new(),
+            outbound_traffic_policy: OutboundTrafficPolicy::default(),
         }
     }
 }
@@ -156,6 +171,23 @@ fn validate(config: &LocalConfig) -> Vec<String> {
                 at("netns"),
                 netns.display()
             ));
+        }
+    }
+    let mut vips = HashSet::new();
+    for (i, svc) in config.services.iter().enumerate() {
+        let at = |field: &str| format!("services[{i}].{field}");
+        if svc.vips.is_empty() {
+            problems.push(format!("{}: at least one VIP is needed", at("vips")));
+        }
+        for vip in &svc.vips {
+            if !vips.insert(*vip) || ips.contains(vip) {
+                problems.push(format!("{}: {vip} is already used", at("vips")));
+            }
+        }
+        for uid in &svc.endpoints {
+            if !uids.contains(uid) {
+                problems.push(format!("{}: no workload with uid {uid:?}", at("endpoints")));
+            }
         }
     }
     problems

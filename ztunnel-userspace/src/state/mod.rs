@@ -2,6 +2,10 @@
 //! policies). In local mode it comes from one YAML file ([`local`]).
 
 pub mod local;
+pub mod mesh;
+pub mod service;
 pub mod workload;
 
+pub use mesh::{MeshState, Route, StateHandle};
+pub use service::Service;
 pub use workload::{CaptureOptOut, Workload, WorkloadProtocol};

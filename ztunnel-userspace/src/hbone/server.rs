@@ -1,0 +1,167 @@
+//! The HBONE server on a pod's port 15008.
+//!
+//! Per connection: TLS 1.3 with a required client certificate (its SPIFFE
+//! id becomes the peer identity), ALPN `h2`, then one task per `CONNECT`
+//! stream:
+//! - not `CONNECT` -> 400; authority without a port -> 400; authority IP
+//!   different from the address the connection arrived on -> 400;
+//! - target is one of ztunnel's own ports -> 503;
+//! - connecting to the application fails -> 503;
+//! - otherwise 200, then bytes flow both ways until both sides are done.
+//!
+//! A client that is not TLS, offers no `h2`, or presents a certificate we
+//! do not trust fails the handshake; that is logged with its address and
+//! the connection is closed. Nothing reaches the application.
+
+use std::{net::SocketAddr, sync::Arc, time::Instant};
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use http::{Method, Request, Response, StatusCode};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::TlsAcceptor;
+use tracing::Instrument as _;
+use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
+
+use super::{CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW};
+use crate::{
+    identity::{Identity, identity_of},
+    proxy::{next_connection_id, socket_factory::SocketFactory},
+};
+
+/// What the HBONE server of one pod needs.
+#[derive(Clone)]
+pub struct HboneServer {
+    /// Pod uid, for logs.
+    pub pod: String,
+    /// The pod's identity (the certificate we present).
+    pub identity: Identity,
+    /// TLS configuration presenting that identity.
+    pub tls: Arc<rustls::ServerConfig>,
+    /// Creates sockets inside the pod.
+    pub sockets: SocketFactory,
+}
+
+impl std::fmt::Debug for HboneServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HboneServer").field("pod", &self.pod).finish_non_exhaustive()
+    }
+}
+
+/// Accepts HBONE connections forever (until the task is aborted).
+pub async fn serve(listener: TcpListener, server: HboneServer) {
+    let acceptor = TlsAcceptor::from(Arc::clone(&server.tls));
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(pod = %server.pod, error = %e, "HBONE accept failed");
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let server = server.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection(tcp, peer, acceptor, &server).await {
+                tracing::warn!(pod = %server.pod, %peer, error = %e, "HBONE connection rejected");
+            }
+        });
+    }
+}
+
+async fn connection(tcp: TcpStream, peer: SocketAddr, acceptor: TlsAcceptor, server: &HboneServer) -> Result<(), String> {
+    let local = tcp.local_addr().map_err(|e| e.to_string())?;
+    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+    let tls = acceptor
+        .accept(tcp)
+        .await
+        .map_err(|e| format!("TLS handshake failed (not an HBONE client?): {e}"))?;
+    let peer_identity = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(|c| identity_of(c))
+        .ok_or("client presented no SPIFFE identity")?;
+    let mut h2 = h2::server::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .max_concurrent_streams(SERVER_MAX_STREAMS)
+        .handshake::<_, Bytes>(tls)
+        .await
+        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+    tracing::debug!(pod = %server.pod, %peer, peer_identity = %peer_identity, "HBONE connection accepted");
+    while let Some(next) = h2.accept().await {
+        let (request, respond) = next.map_err(|e| format!("HTTP/2: {e}"))?;
+        let id = next_connection_id();
+        let span = tracing::info_span!("conn", id, pod = %server.pod, direction = "inbound", src = %peer, src_identity = %peer_identity, dst = tracing::field::Empty);
+        let server = server.clone();
+        let peer_identity = peer_identity.clone();
+        tokio::spawn(
+            async move { stream(request, respond, peer, local, &server, &peer_identity).await }.instrument(span),
+        );
+    }
+    Ok(())
+}
+
+fn is_own_port(port: u16) -> bool {
+    matches!(port, OUTBOUND_PORT | INBOUND_PLAINTEXT_PORT | INBOUND_HBONE_PORT | SOCKS5_PORT)
+}
+
+fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, reason: &str) {
+    tracing::info!(status = status.as_u16(), %reason, result = "refused", "inbound HBONE stream refused");
+    let response = Response::builder().status(status).body(()).unwrap_or_default();
+    let _ = respond.send_response(response, true);
+}
+
+async fn stream(
+    request: Request<h2::RecvStream>,
+    respond: SendResponse<Bytes>,
+    peer: SocketAddr,
+    local: SocketAddr,
+    server: &HboneServer,
+    peer_identity: &Identity,
+) {
+    if request.method() != Method::CONNECT {
+        return refuse(respond, StatusCode::BAD_REQUEST, "method is not CONNECT");
+    }
+    let Some(target) = request
+        .uri()
+        .authority()
+        .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
+    else {
+        return refuse(respond, StatusCode::BAD_REQUEST, "authority is not ip:port");
+    };
+    tracing::Span::current().record("dst", tracing::field::display(target));
+    if target.ip() != local.ip() {
+        return refuse(respond, StatusCode::BAD_REQUEST, "authority IP is not the address this connection arrived on");
+    }
+    if is_own_port(target.port()) {
+        return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, "target is one of ztunnel's own ports");
+    }
+    let started = Instant::now();
+    let upstream = match server.sockets.connect_from(target, Some(peer.ip())).await {
+        Ok(upstream) => upstream,
+        Err(e) => return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    };
+    let mut respond = respond;
+    let send = match respond.send_response(Response::builder().status(StatusCode::OK).body(()).unwrap_or_default(), false) {
+        Ok(send) => send,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not answer CONNECT");
+            return;
+        }
+    };
+    tracing::info!(src_identity = %peer_identity, dst_identity = %server.identity, path = "hbone", "inbound connection opened");
+    match super::copy::tcp_to_h2(upstream, send, request.into_body()).await {
+        Ok((to_client, from_client)) => tracing::info!(
+            bytes_sent = to_client,
+            bytes_received = from_client,
+            duration_ms = started.elapsed().as_millis() as u64,
+            result = "ok",
+            "connection closed"
+        ),
+        Err(e) => tracing::info!(duration_ms = started.elapsed().as_millis() as u64, result = "error", error = %e, "connection closed"),
+    }
+}

@@ -1,0 +1,144 @@
+//! Workload identities and their certificates.
+//!
+//! - [`Identity`]: `spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>`.
+//! - [`ca`]: where certificates come from: the built-in development CA
+//!   (persisted in a folder so every node of a local-mode mesh shares it), or
+//!   a CA certificate and key given as files (optionally an intermediate with
+//!   its root).
+//! - [`manager`]: issues each local workload's certificate on demand, caches
+//!   it, and replaces it once half its lifetime has passed. TLS handshakes ask
+//!   the manager for the current certificate, so rotation never touches
+//!   connections that are already open.
+
+pub mod ca;
+pub mod manager;
+
+use std::fmt;
+
+pub use manager::CertManager;
+
+/// A SPIFFE workload identity.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Identity {
+    /// Trust domain, e.g. `cluster.local`.
+    pub trust_domain: String,
+    /// Kubernetes namespace.
+    pub namespace: String,
+    /// Service account.
+    pub service_account: String,
+}
+
+/// Errors of identity handling.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    /// A string is not a SPIFFE id of the Istio form.
+    #[error("{0:?} is not a SPIFFE id of the form spiffe://<td>/ns/<ns>/sa/<sa>")]
+    NotSpiffe(String),
+    /// Certificate generation or signing failed.
+    #[error("issuing a certificate for {identity}: {message}")]
+    Issue {
+        /// For whom.
+        identity: String,
+        /// What rcgen said.
+        message: String,
+    },
+    /// A CA file could not be read or parsed.
+    #[error("CA file {path}: {message}")]
+    CaFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl Identity {
+    /// Builds an identity.
+    pub fn new(trust_domain: &str, namespace: &str, service_account: &str) -> Self {
+        Self {
+            trust_domain: trust_domain.to_owned(),
+            namespace: namespace.to_owned(),
+            service_account: service_account.to_owned(),
+        }
+    }
+
+    /// Parses `spiffe://td/ns/NS/sa/SA`.
+    pub fn parse(uri: &str) -> Result<Self, IdentityError> {
+        let err = || IdentityError::NotSpiffe(uri.to_owned());
+        let rest = uri.strip_prefix("spiffe://").ok_or_else(err)?;
+        let mut parts = rest.split('/');
+        let td = parts.next().filter(|s| !s.is_empty()).ok_or_else(err)?;
+        let (Some("ns"), Some(ns), Some("sa"), Some(sa), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(err());
+        };
+        if ns.is_empty() || sa.is_empty() {
+            return Err(err());
+        }
+        Ok(Self::new(td, ns, sa))
+    }
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "spiffe://{}/ns/{}/sa/{}",
+            self.trust_domain, self.namespace, self.service_account
+        )
+    }
+}
+
+/// The URI SANs of a DER certificate (empty if it does not parse).
+pub fn uri_sans(der: &[u8]) -> Vec<String> {
+    use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
+    let Ok((_, cert)) = X509Certificate::from_der(der) else {
+        return Vec::new();
+    };
+    let Ok(Some(san)) = cert.subject_alternative_name() else {
+        return Vec::new();
+    };
+    san.value
+        .general_names
+        .iter()
+        .filter_map(|n| match n {
+            GeneralName::URI(uri) => Some((*uri).to_owned()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The identity a certificate carries: its single SPIFFE URI SAN.
+pub fn identity_of(der: &[u8]) -> Option<Identity> {
+    let sans = uri_sans(der);
+    match sans.as_slice() {
+        [one] => Identity::parse(one).ok(),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints_spiffe_ids() {
+        let id = Identity::parse("spiffe://cluster.local/ns/demo/sa/a1").expect("valid");
+        assert_eq!(id, Identity::new("cluster.local", "demo", "a1"));
+        assert_eq!(id.to_string(), "spiffe://cluster.local/ns/demo/sa/a1");
+    }
+
+    #[test]
+    fn rejects_other_shapes() {
+        for bad in [
+            "https://cluster.local/ns/a/sa/b",
+            "spiffe://cluster.local/ns/a",
+            "spiffe:///ns/a/sa/b",
+            "spiffe://td/ns/a/sa/b/extra",
+            "spiffe://td/sa/a/ns/b",
+        ] {
+            assert!(Identity::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

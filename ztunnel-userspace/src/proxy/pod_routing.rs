@@ -1,0 +1,115 @@
+//! What ztunnel sets inside each enrolled pod's namespace so that the
+//! application sees the real client IP on inbound connections, with no
+//! iptables:
+//!
+//! - `net.ipv4.tcp_fwmark_accept = 1`: an accepted socket inherits the mark
+//!   of the SYN that created it. ztunnel's transparent socket towards the
+//!   application carries [`INBOUND_MARK`], so the application's socket does
+//!   too.
+//! - `ip rule add fwmark INBOUND_REPLY_BIT/INBOUND_REPLY_BIT lookup 1337`
+//!   and `ip route add local default dev lo table 1337` (and the IPv6
+//!   twins): the application's replies to the (foreign) client IP are
+//!   delivered locally, to ztunnel's transparent socket, instead of leaving
+//!   through `eth0`.
+//!
+//! Both are removed again when the pod is removed. The commands run on a
+//! thread inside the pod's namespace (`ip` from iproute2 is required).
+
+use std::process::Command;
+
+use ztunnel_common::{INBOUND_REPLY_BIT, REPLY_ROUTE_TABLE};
+
+use crate::netns::{NetnsError, PodNetns};
+
+/// Errors of the per-pod routing setup.
+#[derive(Debug, thiserror::Error)]
+pub enum RoutingError {
+    /// Entering the namespace failed.
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    /// A command or sysctl failed.
+    #[error("in {pod}: {what}: {message}")]
+    Step {
+        /// The pod namespace.
+        pod: String,
+        /// The step.
+        what: String,
+        /// Output or OS error.
+        message: String,
+    },
+}
+
+fn rule_args(family: &str, verb: &str) -> Vec<String> {
+    vec![
+        family.into(),
+        "rule".into(),
+        verb.into(),
+        "fwmark".into(),
+        format!("{INBOUND_REPLY_BIT:#x}/{INBOUND_REPLY_BIT:#x}"),
+        "lookup".into(),
+        REPLY_ROUTE_TABLE.to_string(),
+        "pref".into(),
+        REPLY_ROUTE_TABLE.to_string(),
+    ]
+}
+
+fn route_args(family: &str, verb: &str) -> Vec<String> {
+    let default = if family == "-6" { "::/0" } else { "0.0.0.0/0" };
+    vec![
+        family.into(),
+        "route".into(),
+        verb.into(),
+        "local".into(),
+        default.into(),
+        "dev".into(),
+        "lo".into(),
+        "table".into(),
+        REPLY_ROUTE_TABLE.to_string(),
+    ]
+}
+
+fn ip(args: &[String]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
+}
+
+/// Installs the reply routing in `netns` (idempotent).
+pub fn install(netns: &PodNetns) -> Result<(), RoutingError> {
+    let pod = netns.name().to_owned();
+    netns.run(move || {
+        let step = |what: &str, message: String| RoutingError::Step {
+            pod: pod.clone(),
+            what: what.to_owned(),
+            message,
+        };
+        std::fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
+            .map_err(|e| step("sysctl net.ipv4.tcp_fwmark_accept=1", e.to_string()))?;
+        let v6 = std::path::Path::new("/proc/sys/net/ipv6").exists()
+            && std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6").is_ok_and(|v| v.trim() == "0");
+        let families: &[&str] = if v6 { &["-4", "-6"] } else { &["-4"] };
+        for family in families {
+            // Remove first so a re-enrolment does not stack duplicates.
+            let _ = ip(&rule_args(family, "del"));
+            ip(&rule_args(family, "add")).map_err(|m| step("ip rule add", m))?;
+            ip(&route_args(family, "replace")).map_err(|m| step("ip route replace", m))?;
+        }
+        Ok(())
+    })?
+}
+
+/// Removes what [`install`] added (missing pieces are fine). The sysctl is
+/// left as it is: other software in the pod may rely on it, and it is inert
+/// without the rule.
+pub fn remove(netns: &PodNetns) -> Result<(), RoutingError> {
+    netns.run(|| {
+        for family in ["-4", "-6"] {
+            let _ = ip(&rule_args(family, "del"));
+            let _ = ip(&route_args(family, "del"));
+        }
+    })?;
+    Ok(())
+}

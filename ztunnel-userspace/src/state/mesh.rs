@@ -1,0 +1,258 @@
+//! The mesh as the proxy sees it: indexes over the config and the routing
+//! decision for an outbound connection.
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
+
+use super::{Workload, WorkloadProtocol, local::LocalConfig, service::Service};
+use crate::identity::Identity;
+
+/// Where an outbound connection goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// HBONE to `pod`'s port 15008, `:authority` = `target`.
+    Hbone {
+        /// The endpoint (pod IP and target port).
+        target: SocketAddr,
+        /// The identity the destination must present.
+        identity: Identity,
+        /// The destination workload's uid.
+        workload: String,
+    },
+    /// Plain TCP to `target`.
+    Passthrough {
+        /// Where.
+        target: SocketAddr,
+    },
+    /// Refused by the outbound traffic policy.
+    Deny {
+        /// Why.
+        reason: &'static str,
+    },
+}
+
+/// What to do with destinations the mesh does not know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum OutboundTrafficPolicy {
+    /// Plain passthrough (Istio's default).
+    #[default]
+    AllowAny,
+    /// Only known workloads and services; anything else is closed.
+    RegistryOnly,
+}
+
+/// Indexed mesh state.
+#[derive(Debug, Default)]
+pub struct MeshState {
+    config: LocalConfig,
+    by_ip: HashMap<IpAddr, usize>,
+    by_uid: HashMap<String, usize>,
+    by_vip: HashMap<IpAddr, usize>,
+    round_robin: Vec<AtomicUsize>,
+}
+
+impl MeshState {
+    /// Builds the indexes.
+    pub fn new(config: LocalConfig) -> Self {
+        let mut by_ip = HashMap::new();
+        let mut by_uid = HashMap::new();
+        for (i, w) in config.workloads.iter().enumerate() {
+            by_uid.insert(w.uid.clone(), i);
+            for ip in &w.ips {
+                by_ip.insert(*ip, i);
+            }
+        }
+        let mut by_vip = HashMap::new();
+        for (i, s) in config.services.iter().enumerate() {
+            for vip in &s.vips {
+                by_vip.insert(*vip, i);
+            }
+        }
+        let round_robin = config.services.iter().map(|_| AtomicUsize::new(0)).collect();
+        Self {
+            config,
+            by_ip,
+            by_uid,
+            by_vip,
+            round_robin,
+        }
+    }
+
+    /// The config it was built from.
+    pub fn config(&self) -> &LocalConfig {
+        &self.config
+    }
+
+    /// The trust domain.
+    pub fn trust_domain(&self) -> &str {
+        &self.config.trust_domain
+    }
+
+    /// The workload owning `ip`.
+    pub fn workload_by_ip(&self, ip: IpAddr) -> Option<&Workload> {
+        self.by_ip.get(&ip).map(|i| &self.config.workloads[*i])
+    }
+
+    /// The workload with `uid`.
+    pub fn workload(&self, uid: &str) -> Option<&Workload> {
+        self.by_uid.get(uid).map(|i| &self.config.workloads[*i])
+    }
+
+    /// The identity of a workload.
+    pub fn identity(&self, w: &Workload) -> Identity {
+        Identity::new(&self.config.trust_domain, &w.namespace, &w.service_account)
+    }
+
+    /// Resolves a name (a workload name, `name.namespace`, or a service
+    /// `name.namespace.svc...`) to an address, for SOCKS5 clients.
+    pub fn resolve_name(&self, name: &str, port: u16, v6: bool) -> Option<SocketAddr> {
+        let mut parts = name.split('.');
+        let (first, ns) = (parts.next()?, parts.next());
+        let matches_ns = |n: &str| ns.is_none_or(|ns| ns == n);
+        let pick = |ips: &[IpAddr]| ips.iter().find(|ip| ip.is_ipv6() == v6).or(ips.first()).copied();
+        if let Some(s) = self.config.services.iter().find(|s| s.name == first && matches_ns(&s.namespace)) {
+            return pick(&s.vips).map(|ip| SocketAddr::new(ip, port));
+        }
+        self.config
+            .workloads
+            .iter()
+            .find(|w| w.name == first && matches_ns(&w.namespace))
+            .and_then(|w| pick(&w.ips))
+            .map(|ip| SocketAddr::new(ip, port))
+    }
+
+    /// Decides where a captured connection to `dst` goes.
+    ///
+    /// Service endpoints are picked round-robin among the listed workloads
+    /// that have an address of the destination's family; every listed
+    /// endpoint is considered healthy (local mode has no health checks).
+    pub fn route(&self, dst: SocketAddr) -> Route {
+        if let Some(&si) = self.by_vip.get(&dst.ip()) {
+            let service = &self.config.services[si];
+            let Some(target_port) = service.target_port(dst.port()) else {
+                return Route::Deny { reason: "service has no such port" };
+            };
+            let candidates: Vec<(&Workload, IpAddr)> = service
+                .endpoints
+                .iter()
+                .filter_map(|uid| self.workload(uid))
+                .filter_map(|w| w.ips.iter().find(|ip| ip.is_ipv6() == dst.is_ipv6()).map(|ip| (w, *ip)))
+                .collect();
+            if candidates.is_empty() {
+                return Route::Deny { reason: "service has no endpoints" };
+            }
+            let n = self.round_robin[si].fetch_add(1, Ordering::Relaxed) % candidates.len();
+            let (w, ip) = candidates[n];
+            return self.to_workload(w, SocketAddr::new(ip, target_port));
+        }
+        if let Some(w) = self.workload_by_ip(dst.ip()) {
+            return self.to_workload(w, dst);
+        }
+        match self.config.outbound_traffic_policy {
+            OutboundTrafficPolicy::AllowAny => Route::Passthrough { target: dst },
+            OutboundTrafficPolicy::RegistryOnly => Route::Deny {
+                reason: "destination not in the mesh registry (REGISTRY_ONLY)",
+            },
+        }
+    }
+
+    fn to_workload(&self, w: &Workload, target: SocketAddr) -> Route {
+        match w.protocol {
+            WorkloadProtocol::Hbone => Route::Hbone {
+                target,
+                identity: self.identity(w),
+                workload: w.uid.clone(),
+            },
+            WorkloadProtocol::Tcp => Route::Passthrough { target },
+        }
+    }
+
+    /// The service named by a VIP, for logs and metrics.
+    pub fn service_by_vip(&self, ip: IpAddr) -> Option<&Service> {
+        self.by_vip.get(&ip).map(|i| &self.config.services[*i])
+    }
+}
+
+/// Shared, swappable mesh state (replaced whole on config reload).
+#[derive(Debug, Clone, Default)]
+pub struct StateHandle(Arc<RwLock<Arc<MeshState>>>);
+
+impl StateHandle {
+    /// A handle holding `state`.
+    pub fn new(state: MeshState) -> Self {
+        Self(Arc::new(RwLock::new(Arc::new(state))))
+    }
+
+    /// The current state.
+    pub fn current(&self) -> Arc<MeshState> {
+        Arc::clone(&self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Replaces the state.
+    pub fn replace(&self, state: MeshState) {
+        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(state);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::local::parse;
+
+    const MESH: &str = "
+workloads:
+  - {uid: a, name: a, namespace: demo, serviceAccount: sa-a, node: n1, ips: [10.0.0.1]}
+  - {uid: b, name: b, namespace: demo, serviceAccount: sa-b, node: n2, ips: [10.0.0.2]}
+  - {uid: c, name: c, namespace: demo, node: n2, ips: [10.0.0.3], protocol: TCP}
+services:
+  - {name: web, namespace: demo, vips: [10.96.0.1], ports: [{port: 80, targetPort: 8080}], endpoints: [a, b]}
+";
+
+    fn state(extra: &str) -> MeshState {
+        MeshState::new(parse(&format!("{MESH}{extra}"), std::path::Path::new("t")).expect("valid"))
+    }
+
+    #[test]
+    fn meshed_workloads_get_hbone_with_their_identity() {
+        let s = state("");
+        let dst: SocketAddr = "10.0.0.2:9000".parse().expect("addr");
+        assert_eq!(
+            s.route(dst),
+            Route::Hbone { target: dst, identity: Identity::new("cluster.local", "demo", "sa-b"), workload: "b".into() }
+        );
+    }
+
+    #[test]
+    fn unmeshed_and_unknown_destinations_pass_through_unless_registry_only() {
+        let s = state("");
+        let c: SocketAddr = "10.0.0.3:80".parse().expect("addr");
+        let x: SocketAddr = "192.0.2.1:80".parse().expect("addr");
+        assert_eq!(s.route(c), Route::Passthrough { target: c });
+        assert_eq!(s.route(x), Route::Passthrough { target: x });
+        let strict = state("outboundTrafficPolicy: REGISTRY_ONLY\n");
+        assert!(matches!(strict.route(x), Route::Deny { .. }));
+    }
+
+    #[test]
+    fn service_vips_round_robin_over_endpoints_with_the_target_port() {
+        let s = state("");
+        let vip: SocketAddr = "10.96.0.1:80".parse().expect("addr");
+        let mut targets: Vec<SocketAddr> = (0..4)
+            .map(|_| match s.route(vip) {
+                Route::Hbone { target, .. } => target,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        targets.sort();
+        targets.dedup();
+        assert_eq!(targets, vec!["10.0.0.1:8080".parse().expect("a"), "10.0.0.2:8080".parse().expect("b")]);
+        assert!(matches!(s.route("10.96.0.1:81".parse().expect("addr")), Route::Deny { .. }));
+    }
+}

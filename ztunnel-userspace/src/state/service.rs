@@ -1,0 +1,43 @@
+//! Services: VIPs and ports in front of workloads.
+
+use std::net::IpAddr;
+
+use serde::Deserialize;
+
+/// One port of a service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ServicePort {
+    /// Port on the VIP.
+    pub port: u16,
+    /// Port on the endpoints (defaults to `port`).
+    #[serde(default)]
+    pub target_port: Option<u16>,
+}
+
+/// A service.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Service {
+    /// Name.
+    pub name: String,
+    /// Kubernetes namespace.
+    pub namespace: String,
+    /// Virtual IPs.
+    pub vips: Vec<IpAddr>,
+    /// Ports.
+    pub ports: Vec<ServicePort>,
+    /// Workload uids behind the service.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+}
+
+impl Service {
+    /// The target port for `port`, if the service exposes it.
+    pub fn target_port(&self, port: u16) -> Option<u16> {
+        self.ports
+            .iter()
+            .find(|p| p.port == port)
+            .map(|p| p.target_port.unwrap_or(p.port))
+    }
+}
