@@ -130,6 +130,16 @@ impl WorkloadEntry {
 
 /// Writes a local-mode config describing `entries` and returns its path.
 pub fn write_config(cluster: &Cluster, file: &str, entries: &[WorkloadEntry]) -> PathBuf {
+    write_config_with(cluster, file, entries, "")
+}
+
+/// Like [`write_config`], with `extra` YAML appended (services, policies).
+pub fn write_config_with(
+    cluster: &Cluster,
+    file: &str,
+    entries: &[WorkloadEntry],
+    extra: &str,
+) -> PathBuf {
     let mut yaml = String::from("trustDomain: cluster.local\nworkloads:\n");
     for e in entries {
         let pod = cluster.pod(&e.pod);
@@ -147,6 +157,7 @@ pub fn write_config(cluster: &Cluster, file: &str, entries: &[WorkloadEntry]) ->
             e.outbound, e.inbound, e.protocol
         );
     }
+    yaml.push_str(extra);
     let path = cluster.dir().join(file);
     std::fs::write(&path, yaml).expect("write config");
     path

@@ -19,6 +19,7 @@ pub mod kernel;
 pub mod netns;
 pub mod process;
 pub mod skip;
+pub mod sniff;
 pub mod sweep;
 pub mod ztunnel;
 

@@ -67,8 +67,15 @@ fn inbound_connections_reach_the_plaintext_listener_with_their_original_destinat
         // The application saw the real client address (ztunnel's leg to it
         // is transparent), not ztunnel's or its own.
         let peer = flows::last_peer(&mut servers[i]);
-        let client_ip = if dst.is_ipv6() { client.ip6.to_string() } else { client.ip.to_string() };
-        assert!(peer.contains(&client_ip), "app saw {peer}, expected {client_ip}");
+        let client_ip = if dst.is_ipv6() {
+            client.ip6.to_string()
+        } else {
+            client.ip.to_string()
+        };
+        assert!(
+            peer.contains(&client_ip),
+            "app saw {peer}, expected {client_ip}"
+        );
     }
 
     // SYNs to 15008 reach ztunnel's HBONE listener, not the plaintext one.
@@ -85,7 +92,10 @@ fn inbound_connections_reach_the_plaintext_listener_with_their_original_destinat
         !done.stdout.contains("CONNECT-ERROR"),
         "15008 refused: {done:?}"
     );
-    z.wait_for_log("TLS handshake failed (not an HBONE client?)", Duration::from_secs(5));
+    z.wait_for_log(
+        "TLS handshake failed (not an HBONE client?)",
+        Duration::from_secs(5),
+    );
     let after = z.counters();
     assert!(after.get(Counter::IngressHbonePassed) > before.get(Counter::IngressHbonePassed));
     assert_eq!(

@@ -6,9 +6,9 @@ use ztunnel_common::Counter;
 use ztunnel_tests::{
     Cluster,
     cgroup::TestCgroup,
+    flows::{self, ClientRun, WorkloadEntry},
     probe_bin,
     process::{PodProcess, command_in},
-    flows::{self, ClientRun, WorkloadEntry},
     require_root,
     ztunnel::Ztunnel,
 };
@@ -101,13 +101,28 @@ fn outbound_connects_are_captured_with_exact_original_destination() {
     // A process in the node's namespace (inside the capture cgroup, so the
     // hook does run for it) is untouched as well.
     let node_cgroup = TestCgroup::create(&format!("{}/node-procs", cluster.prefix()));
-    let mut cmd = command_in(&cluster.node(node).netns().path(), &node_cgroup.procs(), &probe_bin());
-    cmd.args(["client", "--connect", &targets[0].to_string(), "--bytes", "1000", "--connect-timeout", "5"]);
+    let mut cmd = command_in(
+        &cluster.node(node).netns().path(),
+        &node_cgroup.procs(),
+        &probe_bin(),
+    );
+    cmd.args([
+        "client",
+        "--connect",
+        &targets[0].to_string(),
+        "--bytes",
+        "1000",
+        "--connect-timeout",
+        "5",
+    ]);
     let before = z.counters();
     let done = PodProcess::spawn("node-client", cmd).wait(Duration::from_secs(30));
     flows::assert_ok(&done);
     let after = z.counters();
-    assert_eq!(after.get(Counter::ConnectRedirected), before.get(Counter::ConnectRedirected));
+    assert_eq!(
+        after.get(Counter::ConnectRedirected),
+        before.get(Counter::ConnectRedirected)
+    );
     assert!(after.get(Counter::ConnectNotEnrolled) > before.get(Counter::ConnectNotEnrolled));
     assert_eq!(z.count_log_lines(&["outbound connection opened"]), 3);
 }

@@ -17,7 +17,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use ztunnel_common::{
-    AF_INET, AF_INET6, Counter, IpBytes, OUTBOUND_PORT, OrigDst, POD_CAPTURE_OUTBOUND, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    AF_INET, AF_INET6, Counter, IpBytes, OUTBOUND_PORT, OrigDst, POD_CAPTURE_OUTBOUND,
+    ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{

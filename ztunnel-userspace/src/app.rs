@@ -22,10 +22,10 @@ use crate::{
     capture::{self, CaptureError, maps::Exclusions, tc::TcMode},
     cgroup::{self, CgroupError},
     enrol::{self, EnrolError, EnrolRequest, PodRegistry, Source, zds::ZdsError},
-    loader::{self, LoaderError},
-    netns::PodNetns,
     hbone::pool::HbonePool,
     identity::{CertManager, Identity, ca::CertificateAuthority},
+    loader::{self, LoaderError},
+    netns::PodNetns,
     proxy::Shared,
     state::{
         MeshState, StateHandle,
@@ -127,12 +127,15 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
     // Read the config before touching the kernel: a bad file must not leave
     // half a setup behind.
     let initial = settings.config.as_deref().map(local::load).transpose()?;
-    let trust_domain = initial
-        .as_ref()
-        .map_or_else(|| local::DEFAULT_TRUST_DOMAIN.to_owned(), |c| c.trust_domain.clone());
+    let trust_domain = initial.as_ref().map_or_else(
+        || local::DEFAULT_TRUST_DOMAIN.to_owned(),
+        |c| c.trust_domain.clone(),
+    );
     let ca = match &settings.ca {
         CaSource::Development(dir) => CertificateAuthority::development(dir, &trust_domain)?,
-        CaSource::Files { cert, key, root } => CertificateAuthority::from_files(cert, key, root.as_deref())?,
+        CaSource::Files { cert, key, root } => {
+            CertificateAuthority::from_files(cert, key, root.as_deref())?
+        }
     };
     let certs = Arc::new(CertManager::new(ca, settings.cert_lifetime));
     let state = StateHandle::new(MeshState::new(initial.clone().unwrap_or_default()));

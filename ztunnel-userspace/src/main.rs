@@ -105,7 +105,11 @@ struct RunArgs {
     /// Folder of the built-in development CA (created on first use; point
     /// every node of a local-mode mesh at the same one). Ignored with
     /// --ca-cert.
-    #[arg(long, env = "ZTUNNEL_CA_DIR", default_value = "/var/lib/ztunnel/dev-ca")]
+    #[arg(
+        long,
+        env = "ZTUNNEL_CA_DIR",
+        default_value = "/var/lib/ztunnel/dev-ca"
+    )]
     ca_dir: PathBuf,
     /// CA certificate (PEM) to issue workload certificates with, instead of
     /// the development CA. Needs --ca-key.

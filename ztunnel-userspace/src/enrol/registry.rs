@@ -15,10 +15,10 @@ use crate::{
         maps::{self, OrigDstTable},
         tc::{self, PodIngress, TcMode},
     },
-    loader::KernelPrograms,
-    netns::{NetnsError, PodNetns},
     hbone::server::HboneServer,
     identity::Identity,
+    loader::KernelPrograms,
+    netns::{NetnsError, PodNetns},
     proxy::{
         PodContext, Shared,
         inbound::{self, InboundContext},
@@ -237,8 +237,14 @@ impl PodRegistry {
             ingress
         };
 
-        let ips = req.netns.addresses().map_err(|e| EnrolError::Netns { uid: uid.clone(), source: Box::new(e) })?;
-        pod_routing::install(&req.netns).map_err(|e| EnrolError::Io { uid: uid.clone(), source: std::io::Error::other(e) })?;
+        let ips = req.netns.addresses().map_err(|e| EnrolError::Netns {
+            uid: uid.clone(),
+            source: Box::new(e),
+        })?;
+        pod_routing::install(&req.netns).map_err(|e| EnrolError::Io {
+            uid: uid.clone(),
+            source: std::io::Error::other(e),
+        })?;
         let context = PodContext {
             uid: uid.clone(),
             identity: req.identity.clone(),
@@ -263,13 +269,22 @@ impl PodRegistry {
         Ok(true)
     }
 
-    fn spawn_listeners(&self, pod: &PodContext, listeners: listeners::PodListeners) -> Result<Vec<AbortHandle>, EnrolError> {
+    fn spawn_listeners(
+        &self,
+        pod: &PodContext,
+        listeners: listeners::PodListeners,
+    ) -> Result<Vec<AbortHandle>, EnrolError> {
         let _guard = self.runtime.enter();
         let uid = pod.uid.clone();
-        let io = |source| EnrolError::Io { uid: uid.clone(), source };
-        let tls = crate::tls::server_config(&self.shared.certs, &pod.identity).map_err(|e| EnrolError::Io {
+        let io = |source| EnrolError::Io {
             uid: uid.clone(),
-            source: std::io::Error::other(e),
+            source,
+        };
+        let tls = crate::tls::server_config(&self.shared.certs, &pod.identity).map_err(|e| {
+            EnrolError::Io {
+                uid: uid.clone(),
+                source: std::io::Error::other(e),
+            }
         })?;
         let mut tasks = Vec::new();
         let out_ctx = OutboundContext {
@@ -286,15 +301,27 @@ impl PodRegistry {
         };
         for l in listeners.outbound {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
-            tasks.push(self.runtime.spawn(outbound::serve(l, out_ctx.clone())).abort_handle());
+            tasks.push(
+                self.runtime
+                    .spawn(outbound::serve(l, out_ctx.clone()))
+                    .abort_handle(),
+            );
         }
         for l in listeners.inbound_plaintext {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
-            tasks.push(self.runtime.spawn(inbound::serve_plaintext(l, in_ctx.clone())).abort_handle());
+            tasks.push(
+                self.runtime
+                    .spawn(inbound::serve_plaintext(l, in_ctx.clone()))
+                    .abort_handle(),
+            );
         }
         for l in listeners.inbound_hbone {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
-            tasks.push(self.runtime.spawn(crate::hbone::server::serve(l, hbone.clone())).abort_handle());
+            tasks.push(
+                self.runtime
+                    .spawn(crate::hbone::server::serve(l, hbone.clone()))
+                    .abort_handle(),
+            );
         }
         Ok(tasks)
     }
@@ -440,8 +467,18 @@ impl PodRegistry {
         if let Some(w) = state.workload(uid) {
             return state.identity(w);
         }
-        let or_default = |s: &str| if s.is_empty() { "default".to_owned() } else { s.to_owned() };
-        Identity::new(state.trust_domain(), &or_default(namespace), &or_default(service_account))
+        let or_default = |s: &str| {
+            if s.is_empty() {
+                "default".to_owned()
+            } else {
+                s.to_owned()
+            }
+        };
+        Identity::new(
+            state.trust_domain(),
+            &or_default(namespace),
+            &or_default(service_account),
+        )
     }
 
     /// The shared proxy parts.

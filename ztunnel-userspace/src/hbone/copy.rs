@@ -23,7 +23,8 @@ const CHUNK: usize = 64 * 1024;
 
 fn h2_io(e: h2::Error) -> io::Error {
     if e.is_io() {
-        e.into_io().unwrap_or_else(|| io::Error::other("h2 I/O error"))
+        e.into_io()
+            .unwrap_or_else(|| io::Error::other("h2 I/O error"))
     } else {
         io::Error::other(e)
     }
@@ -31,7 +32,11 @@ fn h2_io(e: h2::Error) -> io::Error {
 
 /// Copies until both directions finished. Returns (bytes TCP -> stream,
 /// bytes stream -> TCP).
-pub async fn tcp_to_h2(tcp: TcpStream, mut send: SendStream<Bytes>, mut recv: RecvStream) -> io::Result<(u64, u64)> {
+pub async fn tcp_to_h2(
+    tcp: TcpStream,
+    mut send: SendStream<Bytes>,
+    mut recv: RecvStream,
+) -> io::Result<(u64, u64)> {
     let (mut rd, mut wr) = tcp.into_split();
     let upstream = async {
         let mut total = 0u64;
@@ -53,7 +58,9 @@ pub async fn tcp_to_h2(tcp: TcpStream, mut send: SendStream<Bytes>, mut recv: Re
                 send.reserve_capacity(chunk.len());
                 let granted = std::future::poll_fn(|cx| send.poll_capacity(cx))
                     .await
-                    .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "HBONE stream closed"))?
+                    .ok_or_else(|| {
+                        io::Error::new(io::ErrorKind::BrokenPipe, "HBONE stream closed")
+                    })?
                     .map_err(h2_io)?;
                 let part = chunk.split_to(granted.min(chunk.len()));
                 send.send_data(part, false).map_err(h2_io)?;
@@ -66,7 +73,9 @@ pub async fn tcp_to_h2(tcp: TcpStream, mut send: SendStream<Bytes>, mut recv: Re
             let data = data.map_err(h2_io)?;
             wr.write_all(&data).await?;
             total += data.len() as u64;
-            recv.flow_control().release_capacity(data.len()).map_err(h2_io)?;
+            recv.flow_control()
+                .release_capacity(data.len())
+                .map_err(h2_io)?;
         }
         wr.shutdown().await?;
         Ok::<u64, io::Error>(total)

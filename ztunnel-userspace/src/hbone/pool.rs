@@ -17,7 +17,10 @@ use rustls::pki_types::ServerName;
 use tokio_rustls::TlsConnector;
 use ztunnel_common::INBOUND_HBONE_PORT;
 
-use super::{CLIENT_MAX_STREAMS, CONNECTION_WINDOW, HboneError, MAX_FRAME, PING_INTERVAL, PING_TIMEOUT, STREAM_WINDOW};
+use super::{
+    CLIENT_MAX_STREAMS, CONNECTION_WINDOW, HboneError, MAX_FRAME, PING_INTERVAL, PING_TIMEOUT,
+    STREAM_WINDOW,
+};
 use crate::{
     identity::{CertManager, Identity},
     proxy::socket_factory::SocketFactory,
@@ -115,10 +118,19 @@ impl HbonePool {
 
     /// Open pooled connections.
     pub fn open_connections(&self) -> usize {
-        let slots = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let slots = self
+            .slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         slots
             .values()
-            .map(|s| s.try_lock().map_or(0, |v| v.iter().filter(|c| !c.closed.load(Ordering::Relaxed)).count()))
+            .map(|s| {
+                s.try_lock().map_or(0, |v| {
+                    v.iter()
+                        .filter(|c| !c.closed.load(Ordering::Relaxed))
+                        .count()
+                })
+            })
             .sum()
     }
 
@@ -133,7 +145,10 @@ impl HbonePool {
         client: SocketAddr,
     ) -> Result<Tunnel, HboneError> {
         let slot = {
-            let mut slots = self.slots.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut slots = self
+                .slots
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             Arc::clone(slots.entry(key.clone()).or_default())
         };
         // Holding the slot while a handshake runs is what makes a burst of
@@ -157,7 +172,10 @@ impl HbonePool {
             conn
         };
         let guard = StreamGuard(Arc::clone(&conn));
-        let h2_err = |source| HboneError::H2 { peer: key.dst, source };
+        let h2_err = |source| HboneError::H2 {
+            peer: key.dst,
+            source,
+        };
         let mut send = conn.send.clone().ready().await.map_err(|e| {
             conn.closed.store(true, Ordering::Release);
             h2_err(e)
@@ -184,13 +202,18 @@ impl HbonePool {
         })
     }
 
-    async fn open(&self, key: &PoolKey, sockets: &SocketFactory) -> Result<Arc<PooledConn>, HboneError> {
+    async fn open(
+        &self,
+        key: &PoolKey,
+        sockets: &SocketFactory,
+    ) -> Result<Arc<PooledConn>, HboneError> {
         let peer = key.dst;
         let tcp = sockets
             .connect(peer)
             .await
             .map_err(|e| HboneError::Proxy(Box::new(e)))?;
-        let config = crate::tls::client_config(&self.certs, &key.src, vec![key.dst_identity.clone()])?;
+        let config =
+            crate::tls::client_config(&self.certs, &key.src, vec![key.dst_identity.clone()])?;
         let tls = TlsConnector::from(config)
             .connect(ServerName::IpAddress(peer.ip().into()), tcp)
             .await
@@ -216,7 +239,12 @@ impl HbonePool {
             idle_since: Mutex::new(Instant::now()),
         });
         tracing::info!(connection = id, %peer, src = %key.src, dst_identity = %key.dst_identity, "HBONE connection established");
-        tokio::spawn(drive(connection, Arc::clone(&pooled), peer, self.idle_timeout));
+        tokio::spawn(drive(
+            connection,
+            Arc::clone(&pooled),
+            peer,
+            self.idle_timeout,
+        ));
         Ok(pooled)
     }
 }
@@ -224,7 +252,10 @@ impl HbonePool {
 /// Runs one pooled connection: polls it, sends keep-alive PINGs, and closes
 /// it when idle too long, when a PING goes unanswered, or on error.
 async fn drive(
-    mut connection: h2::client::Connection<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, Bytes>,
+    mut connection: h2::client::Connection<
+        tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+        Bytes,
+    >,
     pooled: Arc<PooledConn>,
     peer: SocketAddr,
     idle_timeout: Duration,
@@ -235,12 +266,12 @@ async fn drive(
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(PING_INTERVAL).await;
-                match tokio::time::timeout(PING_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
-                    Ok(Ok(_)) => {}
-                    _ => {
-                        dead.notify_one();
-                        return;
-                    }
+                if !matches!(
+                    tokio::time::timeout(PING_TIMEOUT, ping.ping(h2::Ping::opaque())).await,
+                    Ok(Ok(_))
+                ) {
+                    dead.notify_one();
+                    return;
                 }
             }
         });
@@ -255,7 +286,7 @@ async fn drive(
             () = dead.notified() => break "PING timed out".to_owned(),
             _ = check.tick() => {
                 let idle = pooled.streams.load(Ordering::Acquire) == 0
-                    && pooled.idle_since.lock().map_or(false, |t| t.elapsed() >= idle_timeout);
+                    && pooled.idle_since.lock().is_ok_and(|t| t.elapsed() >= idle_timeout);
                 if idle {
                     break "idle timeout".to_owned();
                 }

@@ -44,7 +44,9 @@ pub struct HboneServer {
 
 impl std::fmt::Debug for HboneServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HboneServer").field("pod", &self.pod).finish_non_exhaustive()
+        f.debug_struct("HboneServer")
+            .field("pod", &self.pod)
+            .finish_non_exhaustive()
     }
 }
 
@@ -69,7 +71,12 @@ pub async fn serve(listener: TcpListener, server: HboneServer) {
     }
 }
 
-async fn connection(tcp: TcpStream, peer: SocketAddr, acceptor: TlsAcceptor, server: &HboneServer) -> Result<(), String> {
+async fn connection(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    acceptor: TlsAcceptor,
+    server: &HboneServer,
+) -> Result<(), String> {
     let local = tcp.local_addr().map_err(|e| e.to_string())?;
     tcp.set_nodelay(true).map_err(|e| e.to_string())?;
     let tls = acceptor
@@ -99,19 +106,26 @@ async fn connection(tcp: TcpStream, peer: SocketAddr, acceptor: TlsAcceptor, ser
         let server = server.clone();
         let peer_identity = peer_identity.clone();
         tokio::spawn(
-            async move { stream(request, respond, peer, local, &server, &peer_identity).await }.instrument(span),
+            async move { stream(request, respond, peer, local, &server, &peer_identity).await }
+                .instrument(span),
         );
     }
     Ok(())
 }
 
 fn is_own_port(port: u16) -> bool {
-    matches!(port, OUTBOUND_PORT | INBOUND_PLAINTEXT_PORT | INBOUND_HBONE_PORT | SOCKS5_PORT)
+    matches!(
+        port,
+        OUTBOUND_PORT | INBOUND_PLAINTEXT_PORT | INBOUND_HBONE_PORT | SOCKS5_PORT
+    )
 }
 
 fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, reason: &str) {
     tracing::info!(status = status.as_u16(), %reason, result = "refused", "inbound HBONE stream refused");
-    let response = Response::builder().status(status).body(()).unwrap_or_default();
+    let response = Response::builder()
+        .status(status)
+        .body(())
+        .unwrap_or_default();
     let _ = respond.send_response(response, true);
 }
 
@@ -135,10 +149,18 @@ async fn stream(
     };
     tracing::Span::current().record("dst", tracing::field::display(target));
     if target.ip() != local.ip() {
-        return refuse(respond, StatusCode::BAD_REQUEST, "authority IP is not the address this connection arrived on");
+        return refuse(
+            respond,
+            StatusCode::BAD_REQUEST,
+            "authority IP is not the address this connection arrived on",
+        );
     }
     if is_own_port(target.port()) {
-        return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, "target is one of ztunnel's own ports");
+        return refuse(
+            respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "target is one of ztunnel's own ports",
+        );
     }
     let started = Instant::now();
     let upstream = match server.sockets.connect_from(target, Some(peer.ip())).await {
@@ -146,7 +168,13 @@ async fn stream(
         Err(e) => return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     };
     let mut respond = respond;
-    let send = match respond.send_response(Response::builder().status(StatusCode::OK).body(()).unwrap_or_default(), false) {
+    let send = match respond.send_response(
+        Response::builder()
+            .status(StatusCode::OK)
+            .body(())
+            .unwrap_or_default(),
+        false,
+    ) {
         Ok(send) => send,
         Err(e) => {
             tracing::warn!(error = %e, "could not answer CONNECT");
@@ -162,6 +190,8 @@ async fn stream(
             result = "ok",
             "connection closed"
         ),
-        Err(e) => tracing::info!(duration_ms = started.elapsed().as_millis() as u64, result = "error", error = %e, "connection closed"),
+        Err(e) => {
+            tracing::info!(duration_ms = started.elapsed().as_millis() as u64, result = "error", error = %e, "connection closed");
+        }
     }
 }

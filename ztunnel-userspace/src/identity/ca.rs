@@ -9,8 +9,8 @@ use std::{
 };
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
@@ -96,8 +96,14 @@ impl CertificateAuthority {
         // Check the pair before we sign anything with it.
         Issuer::from_ca_cert_der(&issuer_der, &issuer_key).map_err(|e| ca_err(cert, e))?;
         let (intermediates, roots) = match root {
-            Some(root) => (std::iter::once(issuer_der.clone()).chain(certs).collect(), read_certs(root)?),
-            None => (Vec::new(), std::iter::once(issuer_der.clone()).chain(certs).collect()),
+            Some(root) => (
+                std::iter::once(issuer_der.clone()).chain(certs).collect(),
+                read_certs(root)?,
+            ),
+            None => (
+                Vec::new(),
+                std::iter::once(issuer_der.clone()).chain(certs).collect(),
+            ),
         };
         Ok(Self {
             issuer_der,
@@ -137,7 +143,11 @@ impl CertificateAuthority {
     /// Issues a certificate for `identity`: one URI SAN, EKU serverAuth and
     /// clientAuth, ECDSA P-256, valid from now (minus clock skew) for
     /// `lifetime`.
-    pub fn issue(&self, identity: &Identity, lifetime: Duration) -> Result<WorkloadCert, IdentityError> {
+    pub fn issue(
+        &self,
+        identity: &Identity,
+        lifetime: Duration,
+    ) -> Result<WorkloadCert, IdentityError> {
         let err = |e: rcgen::Error| IdentityError::Issue {
             identity: identity.to_string(),
             message: e.to_string(),
@@ -148,8 +158,14 @@ impl CertificateAuthority {
         let uri = identity.to_string().try_into().map_err(err)?;
         params.subject_alt_names = vec![SanType::URI(uri)];
         params.distinguished_name = DistinguishedName::new();
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         params.use_authority_key_identifier_extension = true;
         let now = SystemTime::now();
         let not_before = now - CLOCK_SKEW;
@@ -173,7 +189,11 @@ fn generate_dev_root(cert: &Path, key: &Path, trust_domain: &str) -> Result<(), 
     let pair = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(err)?;
     let mut params = CertificateParams::default();
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, trust_domain);
     dn.push(DnType::CommonName, "ztunnel-rs development CA");
@@ -212,12 +232,20 @@ mod tests {
         let cert = ca.issue(&id, Duration::from_secs(3600)).expect("issue");
         assert_eq!(uri_sans(&cert.chain[0]), vec![id.to_string()]);
         assert_eq!(identity_of(&cert.chain[0]), Some(id));
-        assert!(!format!("{cert:?}").contains("BEGIN"), "Debug must not show keys");
+        assert!(
+            !format!("{cert:?}").contains("BEGIN"),
+            "Debug must not show keys"
+        );
         // A second load reuses the same CA (nodes share it).
         let again = CertificateAuthority::development(&dir, "cluster.local").expect("reload");
         assert_eq!(again.roots(), ca.roots());
-        let mode = fs::metadata(dir.join(DEV_CA_KEY)).expect("key").permissions();
-        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+        let mode = fs::metadata(dir.join(DEV_CA_KEY))
+            .expect("key")
+            .permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o600
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -42,7 +42,9 @@ pub struct CertManager {
 
 impl std::fmt::Debug for CertManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CertManager").field("lifetime", &self.lifetime).finish_non_exhaustive()
+        f.debug_struct("CertManager")
+            .field("lifetime", &self.lifetime)
+            .finish_non_exhaustive()
     }
 }
 
@@ -71,21 +73,33 @@ impl CertManager {
     /// a replacement only affects connections opened afterwards.
     pub fn certified_key(&self, identity: &Identity) -> Result<Arc<CertifiedKey>, IdentityError> {
         let now = SystemTime::now();
-        let mut issued = self.issued.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut issued = self
+            .issued
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(current) = issued.get(identity) {
-            let half = current.not_before + (current.not_after.duration_since(current.not_before).unwrap_or_default() / 2);
+            let half = current.not_before
+                + (current
+                    .not_after
+                    .duration_since(current.not_before)
+                    .unwrap_or_default()
+                    / 2);
             if now < half {
                 return Ok(Arc::clone(&current.key));
             }
-            self.rotations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.rotations
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::info!(%identity, "certificate past half-life: rotating");
         }
         let cert = self.ca.issue(identity, self.lifetime)?;
         let provider = crate::tls::provider();
-        let signing_key = provider.key_provider.load_private_key(cert.key).map_err(|e| IdentityError::Issue {
-            identity: identity.to_string(),
-            message: e.to_string(),
-        })?;
+        let signing_key = provider
+            .key_provider
+            .load_private_key(cert.key)
+            .map_err(|e| IdentityError::Issue {
+                identity: identity.to_string(),
+                message: e.to_string(),
+            })?;
         let key = Arc::new(CertifiedKey::new(cert.chain, signing_key));
         tracing::info!(%identity, lifetime_s = self.lifetime.as_secs(), "issued workload certificate");
         issued.insert(
@@ -101,8 +115,14 @@ impl CertManager {
 
     /// Certificates currently held, for the admin dump.
     pub fn dump(&self) -> Vec<CertInfo> {
-        let secs = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let issued = self.issued.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let secs = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        };
+        let issued = self
+            .issued
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut out: Vec<CertInfo> = issued
             .iter()
             .map(|(id, i)| CertInfo {

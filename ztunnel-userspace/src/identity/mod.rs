@@ -1,6 +1,6 @@
 //! Workload identities and their certificates.
 //!
-//! - [`Identity`]: `spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>`.
+//! - `Identity`: `spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>`.
 //! - [`ca`]: where certificates come from: the built-in development CA
 //!   (persisted in a folder so every node of a local-mode mesh shares it), or
 //!   a CA certificate and key given as files (optionally an intermediate with
@@ -68,9 +68,13 @@ impl Identity {
         let rest = uri.strip_prefix("spiffe://").ok_or_else(err)?;
         let mut parts = rest.split('/');
         let td = parts.next().filter(|s| !s.is_empty()).ok_or_else(err)?;
-        let (Some("ns"), Some(ns), Some("sa"), Some(sa), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
-        else {
+        let (Some("ns"), Some(ns), Some("sa"), Some(sa), None) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
             return Err(err());
         };
         if ns.is_empty() || sa.is_empty() {

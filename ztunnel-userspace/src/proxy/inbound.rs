@@ -71,7 +71,12 @@ pub async fn serve_plaintext(listener: TcpListener, ctx: InboundContext) {
     }
 }
 
-async fn plaintext(stream: TcpStream, client: SocketAddr, dst: SocketAddr, ctx: &InboundContext) -> Result<(), ProxyError> {
+async fn plaintext(
+    stream: TcpStream,
+    client: SocketAddr,
+    dst: SocketAddr,
+    ctx: &InboundContext,
+) -> Result<(), ProxyError> {
     if is_own_port(dst.port()) {
         return Err(ProxyError::OwnPort(dst));
     }

@@ -60,7 +60,10 @@ pub struct PodContext {
 impl PodContext {
     /// The pod's address of the same family as `other`.
     pub fn ip_like(&self, other: IpAddr) -> Option<IpAddr> {
-        self.ips.iter().copied().find(|ip| ip.is_ipv6() == other.is_ipv6())
+        self.ips
+            .iter()
+            .copied()
+            .find(|ip| ip.is_ipv6() == other.is_ipv6())
     }
 }
 

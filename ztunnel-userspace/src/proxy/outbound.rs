@@ -20,7 +20,10 @@ use tracing::Instrument as _;
 use super::{PodContext, ProxyError, Shared, next_connection_id, relay};
 use crate::{
     capture::maps::OrigDstTable,
-    hbone::{copy, pool::{PoolKey, hbone_addr}},
+    hbone::{
+        copy,
+        pool::{PoolKey, hbone_addr},
+    },
     state::Route,
 };
 
@@ -72,7 +75,11 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
 }
 
 /// Routes and carries one captured connection to its original destination.
-pub async fn handle(stream: TcpStream, dst: SocketAddr, ctx: &OutboundContext) -> Result<(), ProxyError> {
+pub async fn handle(
+    stream: TcpStream,
+    dst: SocketAddr,
+    ctx: &OutboundContext,
+) -> Result<(), ProxyError> {
     stream.set_nodelay(true)?;
     let route = ctx.shared.state.current().route(dst);
     match route {
@@ -81,11 +88,19 @@ pub async fn handle(stream: TcpStream, dst: SocketAddr, ctx: &OutboundContext) -
             tracing::info!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
             relay(stream, upstream).await.map(|_| ())
         }
-        Route::Hbone { target, identity, workload } => {
+        Route::Hbone {
+            target,
+            identity,
+            workload,
+        } => {
             let src_ip = ctx
                 .pod
                 .ip_like(target.ip())
-                .ok_or(ProxyError::NoPodAddress(if target.is_ipv6() { "IPv6" } else { "IPv4" }))?;
+                .ok_or(ProxyError::NoPodAddress(if target.is_ipv6() {
+                    "IPv6"
+                } else {
+                    "IPv4"
+                }))?;
             let key = PoolKey {
                 src_ip,
                 src: ctx.pod.identity.clone(),
@@ -94,7 +109,11 @@ pub async fn handle(stream: TcpStream, dst: SocketAddr, ctx: &OutboundContext) -
             };
             let client = SocketAddr::new(src_ip, stream.peer_addr().map_or(0, |a| a.port()));
             let started = Instant::now();
-            let tunnel = ctx.shared.pool.connect(key, &ctx.pod.sockets, target, client).await?;
+            let tunnel = ctx
+                .shared
+                .pool
+                .connect(key, &ctx.pod.sockets, target, client)
+                .await?;
             tracing::info!(
                 orig_dst = %dst,
                 target = %target,

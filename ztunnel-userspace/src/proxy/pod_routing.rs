@@ -69,7 +69,10 @@ fn route_args(family: &str, verb: &str) -> Vec<String> {
 }
 
 fn ip(args: &[String]) -> Result<(), String> {
-    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
@@ -89,7 +92,8 @@ pub fn install(netns: &PodNetns) -> Result<(), RoutingError> {
         std::fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
             .map_err(|e| step("sysctl net.ipv4.tcp_fwmark_accept=1", e.to_string()))?;
         let v6 = std::path::Path::new("/proc/sys/net/ipv6").exists()
-            && std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6").is_ok_and(|v| v.trim() == "0");
+            && std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+                .is_ok_and(|v| v.trim() == "0");
         let families: &[&str] = if v6 { &["-4", "-6"] } else { &["-4"] };
         for family in families {
             // Remove first so a re-enrolment does not stack duplicates.

@@ -66,14 +66,21 @@ impl SocketFactory {
 
     /// A fresh, unconnected, non-blocking TCP socket inside the pod, marked;
     /// with `source`, transparent and bound to that (foreign) address.
-    pub async fn socket(&self, v6: bool, source: Option<std::net::IpAddr>) -> Option<std::io::Result<TcpStream>> {
+    pub async fn socket(
+        &self,
+        v6: bool,
+        source: Option<std::net::IpAddr>,
+    ) -> Option<std::io::Result<TcpStream>> {
         let (reply, rx) = oneshot::channel();
         self.requests.send(Request { v6, source, reply }).ok()?;
         rx.await.ok()
     }
 
     /// Connects to `dst` from inside the pod with a marked socket.
-    pub async fn connect(&self, dst: SocketAddr) -> Result<tokio::net::TcpStream, super::ProxyError> {
+    pub async fn connect(
+        &self,
+        dst: SocketAddr,
+    ) -> Result<tokio::net::TcpStream, super::ProxyError> {
         self.connect_from(dst, None).await
     }
 
@@ -137,5 +144,9 @@ fn set_transparent(socket: &Socket, v6: bool) -> std::io::Result<()> {
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
-    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }

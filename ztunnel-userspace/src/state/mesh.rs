@@ -69,18 +69,22 @@ impl MeshState {
                 by_ip.insert(*ip, i);
             }
         }
-        let mut by_vip = HashMap::new();
+        let mut vip_index = HashMap::new();
         for (i, s) in config.services.iter().enumerate() {
             for vip in &s.vips {
-                by_vip.insert(*vip, i);
+                vip_index.insert(*vip, i);
             }
         }
-        let round_robin = config.services.iter().map(|_| AtomicUsize::new(0)).collect();
+        let round_robin = config
+            .services
+            .iter()
+            .map(|_| AtomicUsize::new(0))
+            .collect();
         Self {
             config,
             by_ip,
             by_uid,
-            by_vip,
+            by_vip: vip_index,
             round_robin,
         }
     }
@@ -116,8 +120,18 @@ impl MeshState {
         let mut parts = name.split('.');
         let (first, ns) = (parts.next()?, parts.next());
         let matches_ns = |n: &str| ns.is_none_or(|ns| ns == n);
-        let pick = |ips: &[IpAddr]| ips.iter().find(|ip| ip.is_ipv6() == v6).or(ips.first()).copied();
-        if let Some(s) = self.config.services.iter().find(|s| s.name == first && matches_ns(&s.namespace)) {
+        let pick = |ips: &[IpAddr]| {
+            ips.iter()
+                .find(|ip| ip.is_ipv6() == v6)
+                .or(ips.first())
+                .copied()
+        };
+        if let Some(s) = self
+            .config
+            .services
+            .iter()
+            .find(|s| s.name == first && matches_ns(&s.namespace))
+        {
             return pick(&s.vips).map(|ip| SocketAddr::new(ip, port));
         }
         self.config
@@ -137,16 +151,25 @@ impl MeshState {
         if let Some(&si) = self.by_vip.get(&dst.ip()) {
             let service = &self.config.services[si];
             let Some(target_port) = service.target_port(dst.port()) else {
-                return Route::Deny { reason: "service has no such port" };
+                return Route::Deny {
+                    reason: "service has no such port",
+                };
             };
             let candidates: Vec<(&Workload, IpAddr)> = service
                 .endpoints
                 .iter()
                 .filter_map(|uid| self.workload(uid))
-                .filter_map(|w| w.ips.iter().find(|ip| ip.is_ipv6() == dst.is_ipv6()).map(|ip| (w, *ip)))
+                .filter_map(|w| {
+                    w.ips
+                        .iter()
+                        .find(|ip| ip.is_ipv6() == dst.is_ipv6())
+                        .map(|ip| (w, *ip))
+                })
                 .collect();
             if candidates.is_empty() {
-                return Route::Deny { reason: "service has no endpoints" };
+                return Route::Deny {
+                    reason: "service has no endpoints",
+                };
             }
             let n = self.round_robin[si].fetch_add(1, Ordering::Relaxed) % candidates.len();
             let (w, ip) = candidates[n];
@@ -192,12 +215,20 @@ impl StateHandle {
 
     /// The current state.
     pub fn current(&self) -> Arc<MeshState> {
-        Arc::clone(&self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+        Arc::clone(
+            &self
+                .0
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// Replaces the state.
     pub fn replace(&self, state: MeshState) {
-        *self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(state);
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(state);
     }
 }
 
@@ -225,7 +256,11 @@ services:
         let dst: SocketAddr = "10.0.0.2:9000".parse().expect("addr");
         assert_eq!(
             s.route(dst),
-            Route::Hbone { target: dst, identity: Identity::new("cluster.local", "demo", "sa-b"), workload: "b".into() }
+            Route::Hbone {
+                target: dst,
+                identity: Identity::new("cluster.local", "demo", "sa-b"),
+                workload: "b".into()
+            }
         );
     }
 
@@ -252,7 +287,16 @@ services:
             .collect();
         targets.sort();
         targets.dedup();
-        assert_eq!(targets, vec!["10.0.0.1:8080".parse().expect("a"), "10.0.0.2:8080".parse().expect("b")]);
-        assert!(matches!(s.route("10.96.0.1:81".parse().expect("addr")), Route::Deny { .. }));
+        assert_eq!(
+            targets,
+            vec![
+                "10.0.0.1:8080".parse().expect("a"),
+                "10.0.0.2:8080".parse().expect("b")
+            ]
+        );
+        assert!(matches!(
+            s.route("10.96.0.1:81".parse().expect("addr")),
+            Route::Deny { .. }
+        ));
     }
 }

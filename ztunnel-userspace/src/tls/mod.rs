@@ -37,7 +37,10 @@ pub const ALPN_H2: &[u8] = b"h2";
 pub fn provider() -> Arc<CryptoProvider> {
     use rustls::crypto::ring::{cipher_suite, default_provider, kx_group};
     Arc::new(CryptoProvider {
-        cipher_suites: vec![cipher_suite::TLS13_AES_256_GCM_SHA384, cipher_suite::TLS13_AES_128_GCM_SHA256],
+        cipher_suites: vec![
+            cipher_suite::TLS13_AES_256_GCM_SHA384,
+            cipher_suite::TLS13_AES_128_GCM_SHA256,
+        ],
         kx_groups: vec![kx_group::X25519, kx_group::SECP256R1, kx_group::SECP384R1],
         ..default_provider()
     })
@@ -80,7 +83,11 @@ impl ResolvesServerCert for IdentityCert {
 }
 
 impl ResolvesClientCert for IdentityCert {
-    fn resolve(&self, _hints: &[&[u8]], _schemes: &[rustls::SignatureScheme]) -> Option<Arc<CertifiedKey>> {
+    fn resolve(
+        &self,
+        _hints: &[&[u8]],
+        _schemes: &[rustls::SignatureScheme],
+    ) -> Option<Arc<CertifiedKey>> {
         self.current()
     }
 
@@ -90,9 +97,16 @@ impl ResolvesClientCert for IdentityCert {
 }
 
 /// Server side of HBONE for a pod whose identity is `identity`.
-pub fn server_config(certs: &Arc<CertManager>, identity: &Identity) -> Result<Arc<ServerConfig>, TlsError> {
+pub fn server_config(
+    certs: &Arc<CertManager>,
+    identity: &Identity,
+) -> Result<Arc<ServerConfig>, TlsError> {
     let provider = provider();
-    let verifier = verify::SpiffeClientVerifier::new(certs.roots(), &identity.trust_domain, Arc::clone(&provider))?;
+    let verifier = verify::SpiffeClientVerifier::new(
+        certs.roots(),
+        &identity.trust_domain,
+        Arc::clone(&provider),
+    )?;
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(Arc::new(verifier))
@@ -114,7 +128,8 @@ pub fn client_config(
     expected: Vec<Identity>,
 ) -> Result<Arc<ClientConfig>, TlsError> {
     let provider = provider();
-    let verifier = verify::SpiffeServerVerifier::new(certs.roots(), expected, Arc::clone(&provider));
+    let verifier =
+        verify::SpiffeServerVerifier::new(certs.roots(), expected, Arc::clone(&provider));
     let mut config = ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .dangerous()
@@ -127,4 +142,82 @@ pub fn client_config(
     config.resumption = Resumption::disabled();
     config.enable_sni = false;
     Ok(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use rustls::pki_types::ServerName;
+
+    use super::*;
+    use crate::identity::ca::CertificateAuthority;
+
+    fn certs(tag: &str) -> Arc<CertManager> {
+        let dir = std::env::temp_dir().join(format!("zt-tls-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ca = CertificateAuthority::development(&dir, "cluster.local").expect("ca");
+        Arc::new(CertManager::new(ca, Duration::from_secs(3600)))
+    }
+
+    async fn handshake(
+        client: Arc<ClientConfig>,
+        server: Arc<ServerConfig>,
+    ) -> (Result<(), String>, Result<(), String>) {
+        let (c, s) = tokio::io::duplex(64 * 1024);
+        let connector = tokio_rustls::TlsConnector::from(client);
+        let acceptor = tokio_rustls::TlsAcceptor::from(server);
+        let name = ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+        let (cr, sr) = tokio::join!(connector.connect(name, c), acceptor.accept(s));
+        (
+            cr.map(|_| ()).map_err(|e| e.to_string()),
+            sr.map(|_| ()).map_err(|e| e.to_string()),
+        )
+    }
+
+    #[tokio::test]
+    async fn mutual_tls_with_the_expected_identity_succeeds() {
+        let certs = certs("ok");
+        let a = Identity::new("cluster.local", "demo", "a");
+        let b = Identity::new("cluster.local", "demo", "b");
+        let (c, s) = handshake(
+            client_config(&certs, &a, vec![b.clone()]).expect("client"),
+            server_config(&certs, &b).expect("server"),
+        )
+        .await;
+        assert!(c.is_ok() && s.is_ok(), "{c:?} {s:?}");
+    }
+
+    #[tokio::test]
+    async fn a_server_with_another_identity_is_refused_by_name() {
+        let certs = certs("san");
+        let a = Identity::new("cluster.local", "demo", "a");
+        let b = Identity::new("cluster.local", "demo", "b");
+        let impostor = Identity::new("cluster.local", "demo", "mallory");
+        let (c, _) = handshake(
+            client_config(&certs, &a, vec![b]).expect("client"),
+            server_config(&certs, &impostor).expect("server"),
+        )
+        .await;
+        let err = c.expect_err("must fail");
+        assert!(
+            err.contains("peer did not present the expected SAN"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_client_without_h2_gets_no_application_protocol() {
+        let certs = certs("alpn");
+        let a = Identity::new("cluster.local", "demo", "a");
+        let b = Identity::new("cluster.local", "demo", "b");
+        let mut client = (*client_config(&certs, &a, vec![b.clone()]).expect("client")).clone();
+        client.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let (c, s) = handshake(Arc::new(client), server_config(&certs, &b).expect("server")).await;
+        assert!(
+            c.expect_err("client fails")
+                .contains("NoApplicationProtocol")
+        );
+        assert!(s.is_err());
+    }
 }

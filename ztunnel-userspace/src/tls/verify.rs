@@ -26,7 +26,11 @@ pub struct SpiffeServerVerifier {
 
 impl SpiffeServerVerifier {
     /// Accepts servers presenting any of `expected`.
-    pub fn new(roots: RootCertStore, expected: Vec<Identity>, provider: Arc<CryptoProvider>) -> Self {
+    pub fn new(
+        roots: RootCertStore,
+        expected: Vec<Identity>,
+        provider: Arc<CryptoProvider>,
+    ) -> Self {
         Self {
             roots,
             expected,
@@ -72,7 +76,12 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, Error> {
-        verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -81,11 +90,18 @@ impl ServerCertVerifier for SpiffeServerVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, Error> {
-        verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider.signature_verification_algorithms.supported_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
@@ -104,7 +120,8 @@ impl SpiffeClientVerifier {
         trust_domain: &str,
         provider: Arc<CryptoProvider>,
     ) -> Result<Self, rustls::server::VerifierBuilderError> {
-        let inner = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
+        let inner =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
         Ok(Self {
             inner,
             trust_domain: trust_domain.to_owned(),
@@ -123,7 +140,8 @@ impl ClientCertVerifier for SpiffeClientVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, Error> {
-        self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        self.inner
+            .verify_client_cert(end_entity, intermediates, now)?;
         match identity_of(end_entity) {
             Some(id) if id.trust_domain == self.trust_domain => Ok(ClientCertVerified::assertion()),
             _ => Err(Error::General(format!(
