@@ -32,6 +32,8 @@ pub struct ClientRun {
     pub limit: Duration,
     /// `threads` (blocking reader + writer threads) or `poll` (event loop).
     pub io: &'static str,
+    /// Go through this SOCKS5 proxy, optionally asking for a name.
+    pub socks: Option<(SocketAddr, Option<String>)>,
 }
 
 impl Default for ClientRun {
@@ -43,6 +45,7 @@ impl Default for ClientRun {
             connect_timeout: 5,
             limit: Duration::from_mins(1),
             io: "threads",
+            socks: None,
         }
     }
 }
@@ -67,6 +70,12 @@ pub fn client(pod: &Pod, dst: SocketAddr, run: &ClientRun) -> Finished {
         "--io",
         run.io,
     ]);
+    if let Some((proxy, name)) = &run.socks {
+        cmd.arg("--via-socks").arg(proxy.to_string());
+        if let Some(name) = name {
+            cmd.arg("--target-name").arg(name);
+        }
+    }
     PodProcess::spawn(&format!("client-{}-{dst}", pod.name), cmd)
         .wait(run.limit + Duration::from_secs(10))
 }

@@ -124,6 +124,18 @@ impl Ztunnel {
         z
     }
 
+    /// Resident memory of the ztunnel process, in KiB (`VmRSS`).
+    pub fn rss_kib(&self) -> u64 {
+        let pid = self.process.as_ref().map_or(0, PodProcess::pid);
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// The whole log so far.
     pub fn log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()

@@ -235,3 +235,73 @@ fn hbone_port_rejects_plaintext_and_other_protocols_cleanly() {
         "the log names the client"
     );
 }
+
+/// Idle connections held open in the memory test.
+const CONNECTIONS: usize = 1000;
+
+#[test]
+fn idle_connections_cost_little_memory() {
+    if !require_root("idle_connections_cost_little_memory") {
+        return;
+    }
+    let (cluster, a, b) = two_nodes();
+    let config = flows::write_config(&cluster, "mesh.yaml", &entries());
+    let config = config.to_str().expect("utf-8");
+    let (a1, b1) = (cluster.pod("a1"), cluster.pod("b1"));
+    let dst = SocketAddr::from((b1.ip, 8080));
+    let _server = flows::server(b1, dst, "echo");
+    let za = Ztunnel::start(&cluster, a, &["--config", config]);
+    let zb = Ztunnel::start(&cluster, b, &["--config", config]);
+    za.wait_for_log("pod enrolled", Duration::from_secs(10));
+    // Warm up: certificates, one pooled connection, runtime threads.
+    let mut cmd = a1.command(&probe_bin());
+    cmd.args([
+        "hold",
+        "--connect",
+        &dst.to_string(),
+        "--count",
+        "10",
+        "--seconds",
+        "0",
+    ]);
+    assert!(
+        PodProcess::spawn("warm", cmd)
+            .wait(Duration::from_secs(30))
+            .status
+            .success()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let (a0, b0) = (za.rss_kib(), zb.rss_kib());
+
+    let mut cmd = a1.command(&probe_bin());
+    cmd.args([
+        "hold",
+        "--connect",
+        &dst.to_string(),
+        "--count",
+        &CONNECTIONS.to_string(),
+        "--seconds",
+        "60",
+    ]);
+    let mut holder = PodProcess::spawn("hold", cmd);
+    let line = holder.read_line(Duration::from_secs(120));
+    assert_eq!(line, format!("HELD {CONNECTIONS}"));
+    std::thread::sleep(Duration::from_millis(500));
+    let (a1_kib, b1_kib) = (za.rss_kib(), zb.rss_kib());
+    let per_conn =
+        |before: u64, after: u64| (after.saturating_sub(before) * 1024) / CONNECTIONS as u64;
+    let (client_side, server_side) = (per_conn(a0, a1_kib), per_conn(b0, b1_kib));
+    eprintln!(
+        "idle memory per proxied connection: client ztunnel {client_side} B ({a0} -> {a1_kib} KiB), \
+         server ztunnel {server_side} B ({b0} -> {b1_kib} KiB), {CONNECTIONS} connections"
+    );
+    // Bounded: far below one read buffer (64 KiB) per connection.
+    assert!(
+        client_side < 32 * 1024,
+        "client side {client_side} B per idle connection"
+    );
+    assert!(
+        server_side < 32 * 1024,
+        "server side {server_side} B per idle connection"
+    );
+}

@@ -65,6 +65,9 @@ pub struct Settings {
     pub cert_lifetime: Duration,
     /// Idle pooled HBONE connections are closed after this long.
     pub pool_idle_timeout: Duration,
+    /// Connections between two pods of this node skip TLS (identities and
+    /// policy still apply).
+    pub local_fastpath: bool,
 }
 
 /// Where workload certificates come from.
@@ -143,6 +146,7 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
         state: state.clone(),
         certs: Arc::clone(&certs),
         pool: Arc::new(HbonePool::new(certs, settings.pool_idle_timeout)),
+        local_pods: settings.local_fastpath.then(Default::default),
     };
 
     let pins = PinRoot::prepare(&settings.bpffs)?;

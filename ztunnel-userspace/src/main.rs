@@ -121,12 +121,17 @@ struct RunArgs {
     /// Root certificate (PEM) when --ca-cert is an intermediate.
     #[arg(long, requires = "ca_cert")]
     ca_root: Option<PathBuf>,
-    /// Lifetime of workload certificates, in seconds (rotated at half-life).
+    /// Lifetime of workload certificates, in seconds (rotated at half-life;
+    /// values under a minute are only useful for tests).
     #[arg(long, default_value_t = 24 * 3600)]
     cert_lifetime: u64,
     /// Seconds after which an idle pooled HBONE connection is closed.
     #[arg(long, default_value_t = 300)]
     pool_idle_timeout: u64,
+    /// Carry connections between two pods of this node in-process, without
+    /// TLS (both identities are known here; policy still applies).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    local_fastpath: OnOff,
 }
 
 #[derive(clap::Args)]
@@ -224,8 +229,9 @@ fn settings(args: RunArgs) -> app::Settings {
             },
             _ => app::CaSource::Development(args.ca_dir),
         },
-        cert_lifetime: Duration::from_secs(args.cert_lifetime.max(60)),
+        cert_lifetime: Duration::from_secs(args.cert_lifetime.max(2)),
         pool_idle_timeout: Duration::from_secs(args.pool_idle_timeout.max(1)),
+        local_fastpath: args.local_fastpath == OnOff::On,
     }
 }
 

@@ -40,6 +40,16 @@ enum Io {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Opens `count` connections one after another, exchanges one byte on
+    /// each, prints `HELD <count>`, then keeps them open for `seconds`.
+    Hold {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 100)]
+        count: usize,
+        #[arg(long, default_value_t = 30)]
+        seconds: u64,
+    },
     /// Opens `count` connections at once (one thread each), sends `bytes`
     /// on each, checks the echo; prints `BURST ok=N failed=M`.
     Burst {
@@ -74,6 +84,13 @@ enum Cmd {
         /// Seconds before giving up on connecting.
         #[arg(long, default_value_t = 10)]
         connect_timeout: u64,
+        /// Reach the target through this SOCKS5 proxy.
+        #[arg(long)]
+        via_socks: Option<SocketAddr>,
+        /// With --via-socks: ask the proxy for this name instead of the
+        /// --connect address (its port is used).
+        #[arg(long)]
+        target_name: Option<String>,
         /// `threads`: a blocking writer thread and a blocking reader (like a
         /// thread-per-connection app); `poll`: one thread, non-blocking,
         /// driven by poll(2) (like an event-loop app).
@@ -107,6 +124,11 @@ fn fill(buf: &mut [u8], offset: u64) {
 
 fn main() -> ExitCode {
     match Cli::parse().cmd {
+        Cmd::Hold {
+            connect,
+            count,
+            seconds,
+        } => hold(connect, count, seconds),
         Cmd::Burst {
             connect,
             count,
@@ -121,8 +143,21 @@ fn main() -> ExitCode {
             mode,
             timeout,
             connect_timeout,
+            via_socks,
+            target_name,
             io,
-        } => client(connect, bytes, chunk, mode, (timeout, connect_timeout), io),
+        } => {
+            let socks = via_socks.map(|proxy| (proxy, target_name));
+            client(
+                connect,
+                bytes,
+                chunk,
+                mode,
+                (timeout, connect_timeout),
+                io,
+                socks,
+            )
+        }
     }
 }
 
@@ -186,8 +221,13 @@ fn client(
     mode: Mode,
     (timeout, connect_timeout): (u64, u64),
     io: Io,
+    socks: Option<(SocketAddr, Option<String>)>,
 ) -> ExitCode {
-    let stream = match TcpStream::connect_timeout(&addr, Duration::from_secs(connect_timeout)) {
+    let stream = match socks {
+        Some((proxy, name)) => socks_connect(proxy, addr, name.as_deref(), connect_timeout),
+        None => TcpStream::connect_timeout(&addr, Duration::from_secs(connect_timeout)),
+    };
+    let stream = match stream {
         Ok(s) => s,
         Err(e) => {
             println!("CONNECT-ERROR {:?} {e}", e.kind());
@@ -397,4 +437,76 @@ fn burst(addr: SocketAddr, count: usize, bytes: u64, payload: Option<&str>) -> E
     } else {
         ExitCode::from(1)
     }
+}
+
+/// Connects to `target` (or `name`) through a SOCKS5 proxy, no auth.
+fn socks_connect(
+    proxy: SocketAddr,
+    target: SocketAddr,
+    name: Option<&str>,
+    timeout: u64,
+) -> std::io::Result<TcpStream> {
+    let mut s = TcpStream::connect_timeout(&proxy, Duration::from_secs(timeout))?;
+    s.set_read_timeout(Some(Duration::from_secs(timeout)))?;
+    s.write_all(&[5, 1, 0])?;
+    let mut choice = [0u8; 2];
+    s.read_exact(&mut choice)?;
+    if choice != [5, 0] {
+        return Err(std::io::Error::other(format!(
+            "SOCKS method refused: {choice:?}"
+        )));
+    }
+    let mut req = vec![5, 1, 0];
+    match (name, target) {
+        (Some(name), _) => {
+            req.push(3);
+            req.push(name.len() as u8);
+            req.extend_from_slice(name.as_bytes());
+        }
+        (None, SocketAddr::V4(v4)) => {
+            req.push(1);
+            req.extend_from_slice(&v4.ip().octets());
+        }
+        (None, SocketAddr::V6(v6)) => {
+            req.push(4);
+            req.extend_from_slice(&v6.ip().octets());
+        }
+    }
+    req.extend_from_slice(&target.port().to_be_bytes());
+    s.write_all(&req)?;
+    let mut rep = [0u8; 10];
+    s.read_exact(&mut rep)?;
+    if rep[1] != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            format!("SOCKS-REPLY {}", rep[1]),
+        ));
+    }
+    s.set_read_timeout(None)?;
+    Ok(s)
+}
+
+fn hold(addr: SocketAddr, count: usize, seconds: u64) -> ExitCode {
+    let mut held = Vec::with_capacity(count);
+    for i in 0..count {
+        let attempt = (|| -> std::io::Result<TcpStream> {
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            s.write_all(b"x")?;
+            let mut b = [0u8; 1];
+            s.read_exact(&mut b)?;
+            Ok(s)
+        })();
+        match attempt {
+            Ok(s) => held.push(s),
+            Err(e) => {
+                println!("HOLD-ERROR at {i}: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    println!("HELD {}", held.len());
+    let _ = std::io::stdout().flush();
+    std::thread::sleep(Duration::from_secs(seconds));
+    ExitCode::SUCCESS
 }

@@ -253,6 +253,13 @@ impl PodRegistry {
             sockets,
         };
         let tasks = self.spawn_listeners(&context, listeners)?;
+        if let Some(local) = &self.shared.local_pods
+            && let Ok(mut local) = local.write()
+        {
+            for ip in &context.ips {
+                local.insert(*ip, context.clone());
+            }
+        }
         let pod = EnrolledPod {
             netns_name: req.netns.name().to_owned(),
             cookie,
@@ -315,6 +322,14 @@ impl PodRegistry {
                     .abort_handle(),
             );
         }
+        for l in listeners.socks5 {
+            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+            tasks.push(
+                self.runtime
+                    .spawn(crate::proxy::socks5::serve(l, out_ctx.clone()))
+                    .abort_handle(),
+            );
+        }
         for l in listeners.inbound_hbone {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
             tasks.push(
@@ -339,6 +354,11 @@ impl PodRegistry {
         };
         for task in &pod.tasks {
             task.abort();
+        }
+        if let Some(local) = &self.shared.local_pods
+            && let Ok(mut local) = local.write()
+        {
+            local.retain(|_, p| p.uid != uid);
         }
         let capture_err = EnrolError::capture(uid);
         {

@@ -15,6 +15,9 @@ pub const DEFAULT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 
 struct Issued {
     key: Arc<CertifiedKey>,
+    /// When we issued it; rotation is due at `minted_at + lifetime / 2`
+    /// (`not_before` is backdated for clock skew, so it is not used here).
+    minted_at: SystemTime,
     not_before: SystemTime,
     not_after: SystemTime,
 }
@@ -78,12 +81,12 @@ impl CertManager {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(current) = issued.get(identity) {
-            let half = current.not_before
-                + (current
+            let half = current.minted_at
+                + current
                     .not_after
-                    .duration_since(current.not_before)
+                    .duration_since(current.minted_at)
                     .unwrap_or_default()
-                    / 2);
+                    / 2;
             if now < half {
                 return Ok(Arc::clone(&current.key));
             }
@@ -106,6 +109,7 @@ impl CertManager {
             identity.clone(),
             Issued {
                 key: Arc::clone(&key),
+                minted_at: now,
                 not_before: cert.not_before,
                 not_after: cert.not_after,
             },
@@ -151,11 +155,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("zt-mgr-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let ca = CertificateAuthority::development(&dir, "cluster.local").expect("ca");
-        // Lifetime shorter than the clock-skew backdating: already past
-        // half-life, so every call rotates.
         let short = CertManager::new(ca, Duration::from_secs(1));
         let id = Identity::new("cluster.local", "demo", "a1");
         let a = short.certified_key(&id).expect("issue");
+        assert!(Arc::ptr_eq(&a, &short.certified_key(&id).expect("cached")));
+        std::thread::sleep(Duration::from_millis(600));
         let b = short.certified_key(&id).expect("rotate");
         assert!(!Arc::ptr_eq(&a, &b));
         assert_eq!(short.rotations(), 1);

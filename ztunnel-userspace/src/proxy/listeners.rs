@@ -3,7 +3,7 @@
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 
 use socket2::{Domain, Protocol, Socket, Type};
-use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
+use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
 
 use crate::netns::{NetnsError, PodNetns};
 
@@ -19,6 +19,9 @@ pub struct PodListeners {
     pub inbound_plaintext: Vec<TcpListener>,
     /// 15008 on 0.0.0.0 and `[::]`.
     pub inbound_hbone: Vec<TcpListener>,
+    /// 15080 (SOCKS5) on 127.0.0.1 and `[::1]`: only the pod's own
+    /// applications can use it.
+    pub socks5: Vec<TcpListener>,
 }
 
 /// Why listeners could not be opened.
@@ -74,7 +77,9 @@ pub fn open(netns: &PodNetns) -> Result<PodListeners, ListenError> {
             outbound: vec![v4(Ipv4Addr::LOCALHOST, OUTBOUND_PORT)?],
             inbound_plaintext: vec![v4(Ipv4Addr::UNSPECIFIED, INBOUND_PLAINTEXT_PORT)?],
             inbound_hbone: vec![v4(Ipv4Addr::UNSPECIFIED, INBOUND_HBONE_PORT)?],
+            socks5: vec![v4(Ipv4Addr::LOCALHOST, SOCKS5_PORT)?],
         };
+        out.socks5.extend(v6(Ipv6Addr::LOCALHOST, SOCKS5_PORT));
         out.outbound.extend(v6(Ipv6Addr::LOCALHOST, OUTBOUND_PORT));
         out.inbound_plaintext
             .extend(v6(Ipv6Addr::UNSPECIFIED, INBOUND_PLAINTEXT_PORT));

@@ -14,8 +14,10 @@ pub mod listeners;
 pub mod outbound;
 pub mod pod_routing;
 pub mod socket_factory;
+pub mod socks5;
 
 use std::{
+    collections::HashMap,
     net::{IpAddr, SocketAddr},
     sync::Arc,
     sync::atomic::{AtomicU64, Ordering},
@@ -40,6 +42,17 @@ pub struct Shared {
     pub certs: Arc<CertManager>,
     /// Pooled HBONE connections.
     pub pool: Arc<HbonePool>,
+    /// Pods enrolled on this node by IP, for the same-node fast path
+    /// (`None` when the fast path is off).
+    pub local_pods: Option<Arc<std::sync::RwLock<HashMap<IpAddr, PodContext>>>>,
+}
+
+impl Shared {
+    /// The enrolled pod owning `ip`, when the same-node fast path is on.
+    pub fn local_pod(&self, ip: IpAddr) -> Option<PodContext> {
+        let pods = self.local_pods.as_ref()?;
+        pods.read().ok()?.get(&ip).cloned()
+    }
 }
 
 /// A pod as the proxy sees it.

@@ -22,7 +22,7 @@ use crate::{
     capture::maps::OrigDstTable,
     hbone::{
         copy,
-        pool::{PoolKey, hbone_addr},
+        pool::{PoolKey, Tunnel, hbone_addr},
     },
     state::Route,
 };
@@ -74,6 +74,14 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
     }
 }
 
+/// The other end of an outbound connection once it is open.
+pub enum Upstream {
+    /// Plain TCP (passthrough, or the same-node fast path).
+    Tcp(TcpStream),
+    /// An HBONE `CONNECT` stream.
+    Tunnel(Tunnel),
+}
+
 /// Routes and carries one captured connection to its original destination.
 pub async fn handle(
     stream: TcpStream,
@@ -81,34 +89,62 @@ pub async fn handle(
     ctx: &OutboundContext,
 ) -> Result<(), ProxyError> {
     stream.set_nodelay(true)?;
+    let client_port = stream.peer_addr().map_or(0, |a| a.port());
+    let upstream = open(dst, client_port, ctx).await?;
+    carry(stream, upstream).await
+}
+
+/// Decides the route for `dst` and opens the upstream side.
+pub async fn open(
+    dst: SocketAddr,
+    client_port: u16,
+    ctx: &OutboundContext,
+) -> Result<Upstream, ProxyError> {
     let route = ctx.shared.state.current().route(dst);
     match route {
         Route::Passthrough { target } => {
             let upstream = ctx.pod.sockets.connect(target).await?;
             tracing::info!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
-            relay(stream, upstream).await.map(|_| ())
+            Ok(Upstream::Tcp(upstream))
         }
         Route::Hbone {
             target,
             identity,
             workload,
         } => {
+            let family = if target.is_ipv6() { "IPv6" } else { "IPv4" };
             let src_ip = ctx
                 .pod
                 .ip_like(target.ip())
-                .ok_or(ProxyError::NoPodAddress(if target.is_ipv6() {
-                    "IPv6"
-                } else {
-                    "IPv4"
-                }))?;
+                .ok_or(ProxyError::NoPodAddress(family))?;
+            if let Some(local) = ctx.shared.local_pod(target.ip()) {
+                // Same node: no TLS needed, the identities are known here.
+                // The connection comes from the client pod's IP, made inside
+                // the destination pod, exactly like an HBONE inbound leg.
+                if local.identity != identity {
+                    return Err(ProxyError::Denied(
+                        "same-node destination has another identity than expected",
+                    ));
+                }
+                let upstream = local.sockets.connect_from(target, Some(src_ip)).await?;
+                tracing::info!(
+                    orig_dst = %dst,
+                    target = %target,
+                    dst_workload = %workload,
+                    src_identity = %ctx.pod.identity,
+                    dst_identity = %identity,
+                    path = "local",
+                    "outbound connection opened"
+                );
+                return Ok(Upstream::Tcp(upstream));
+            }
             let key = PoolKey {
                 src_ip,
                 src: ctx.pod.identity.clone(),
                 dst: hbone_addr(target.ip()),
                 dst_identity: identity.clone(),
             };
-            let client = SocketAddr::new(src_ip, stream.peer_addr().map_or(0, |a| a.port()));
-            let started = Instant::now();
+            let client = SocketAddr::new(src_ip, client_port);
             let tunnel = ctx
                 .shared
                 .pool
@@ -124,6 +160,21 @@ pub async fn handle(
                 path = "hbone",
                 "outbound connection opened"
             );
+            Ok(Upstream::Tunnel(tunnel))
+        }
+        Route::Deny { reason } => {
+            tracing::info!(orig_dst = %dst, path = "denied", %reason, result = "denied", "outbound connection denied");
+            Err(ProxyError::Denied(reason))
+        }
+    }
+}
+
+/// Copies both ways between the application's connection and `upstream`.
+pub async fn carry(stream: TcpStream, upstream: Upstream) -> Result<(), ProxyError> {
+    match upstream {
+        Upstream::Tcp(upstream) => relay(stream, upstream).await.map(|_| ()),
+        Upstream::Tunnel(tunnel) => {
+            let started = Instant::now();
             let (sent, received) = copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await?;
             tracing::info!(
                 bytes_sent = sent,
@@ -133,10 +184,6 @@ pub async fn handle(
                 "connection closed"
             );
             Ok(())
-        }
-        Route::Deny { reason } => {
-            tracing::info!(orig_dst = %dst, path = "denied", %reason, result = "denied", "outbound connection denied");
-            Err(ProxyError::Denied(reason))
         }
     }
 }
