@@ -108,6 +108,10 @@ impl Ztunnel {
         .arg(&paths.bpffs)
         .arg("--enrol-socket")
         .arg(&paths.socket)
+        // Every node of the cluster shares one development CA, kept in the
+        // cluster's scratch folder (never the machine's default location).
+        .arg("--ca-dir")
+        .arg(cluster.dir().join("dev-ca"))
         .args(extra)
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())

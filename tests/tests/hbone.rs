@@ -72,12 +72,15 @@ fn cross_node_traffic_is_carried_over_mutual_tls_hbone() {
     assert!(frames > 0, "the sniffer saw no frames at all");
     assert!(!seen, "the marker crossed the fabric in clear");
 
-    // 1 MiB each way, checksummed; the server sees a1's own IP.
+    // 1 GiB each way, checksummed; the server sees a1's own IP.
     flows::assert_ok(&flows::client(
         a1,
         dst,
         &ClientRun {
-            bytes: 1 << 20,
+            bytes: 1 << 30,
+            chunk: 256 * 1024,
+            io: "poll",
+            limit: Duration::from_mins(3),
             ..ClientRun::default()
         },
     ));

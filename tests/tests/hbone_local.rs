@@ -42,7 +42,10 @@ fn same_node(fastpath: &str) {
         a1,
         dst,
         &ClientRun {
-            bytes: 1 << 20,
+            bytes: 1 << 30,
+            chunk: 256 * 1024,
+            io: "poll",
+            limit: Duration::from_mins(3),
             ..ClientRun::default()
         },
     ));

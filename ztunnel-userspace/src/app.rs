@@ -48,6 +48,8 @@ pub struct Settings {
     pub cleanup: bool,
     /// Local-mode config file.
     pub config: Option<PathBuf>,
+    /// Overrides the config's trust domain.
+    pub trust_domain: Option<String>,
     /// This node's name (workloads with this `node` are enrolled).
     pub node_name: String,
     /// Capture exclusions.
@@ -129,7 +131,10 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
     cgroup::validate(&cgroup_dir)?;
     // Read the config before touching the kernel: a bad file must not leave
     // half a setup behind.
-    let initial = settings.config.as_deref().map(local::load).transpose()?;
+    let mut initial = settings.config.as_deref().map(local::load).transpose()?;
+    if let (Some(config), Some(td)) = (initial.as_mut(), &settings.trust_domain) {
+        config.trust_domain.clone_from(td);
+    }
     let trust_domain = initial.as_ref().map_or_else(
         || local::DEFAULT_TRUST_DOMAIN.to_owned(),
         |c| c.trust_domain.clone(),
@@ -141,7 +146,9 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
         }
     };
     let certs = Arc::new(CertManager::new(ca, settings.cert_lifetime));
-    let state = StateHandle::new(MeshState::new(initial.clone().unwrap_or_default()));
+    let mut base = initial.clone().unwrap_or_default();
+    base.trust_domain.clone_from(&trust_domain);
+    let state = StateHandle::new(MeshState::new(base));
     let shared = Shared {
         state: state.clone(),
         certs: Arc::clone(&certs),
@@ -187,6 +194,7 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
             path.clone(),
             Arc::clone(&registry),
             settings.node_name.clone(),
+            settings.trust_domain.clone(),
         );
     }
     if let Some(socket) = &settings.enrol_socket {
@@ -275,7 +283,12 @@ pub fn apply_config(registry: &PodRegistry, config: &LocalConfig, node: &str) {
 
 /// Polls the config file once a second; a changed, valid file is applied,
 /// an invalid one is rejected with its errors and the last good state kept.
-fn watch_config(path: PathBuf, registry: Arc<PodRegistry>, node: String) {
+fn watch_config(
+    path: PathBuf,
+    registry: Arc<PodRegistry>,
+    node: String,
+    trust_domain: Option<String>,
+) {
     let stamp = |p: &PathBuf| {
         std::fs::metadata(p)
             .and_then(|m| m.modified())
@@ -296,7 +309,10 @@ fn watch_config(path: PathBuf, registry: Arc<PodRegistry>, node: String) {
                 last = now;
                 last_text.clone_from(&text);
                 match local::parse(&text, &path) {
-                    Ok(config) => {
+                    Ok(mut config) => {
+                        if let Some(td) = &trust_domain {
+                            config.trust_domain.clone_from(td);
+                        }
                         tracing::info!(config = %path.display(), "config changed: applying");
                         registry.shared().state.replace(MeshState::new(config.clone()));
                         apply_config(&registry, &config, &node);

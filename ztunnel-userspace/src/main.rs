@@ -32,6 +32,9 @@ struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `ztunnel=debug`.
     #[arg(long, env = "ZTUNNEL_LOG", default_value = "info", global = true)]
     log: String,
+    /// Log line format.
+    #[arg(long, env = "ZTUNNEL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -62,45 +65,48 @@ struct RunArgs {
     /// read when another thread writes to it at the same time, which breaks
     /// thread-per-connection applications (event-loop applications are
     /// unaffected). See docs/sockmap.md.
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    #[arg(long, env = "ZTUNNEL_SOCKMAP", value_enum, default_value_t = OnOff::Off)]
     sockmap: OnOff,
     /// How to attach TC programs: tcx links (>= 6.6) or clsact filters.
-    #[arg(long, value_enum, default_value_t = capture::tc::TcMode::Auto)]
+    #[arg(long, env = "ZTUNNEL_TC_MODE", value_enum, default_value_t = capture::tc::TcMode::Auto)]
     tc_mode: capture::tc::TcMode,
     /// On exit, remove every attachment and pin ztunnel made. Without it
     /// they stay (while pods are enrolled) so that capture fails closed and
     /// a restarted ztunnel takes over without a window.
-    #[arg(long)]
+    #[arg(long, env = "ZTUNNEL_CLEANUP")]
     cleanup: bool,
-    /// Local-mode config file (workloads; watched for changes).
+    /// Local-mode config file (workloads, services; watched for changes).
     #[arg(long, env = "ZTUNNEL_CONFIG")]
     config: Option<PathBuf>,
+    /// Trust domain of the mesh; overrides the config file's `trustDomain`.
+    #[arg(long, env = "ZTUNNEL_TRUST_DOMAIN")]
+    trust_domain: Option<String>,
     /// This node's name: workloads whose `node` matches (and that have a
     /// `netns`) are enrolled.
     #[arg(long, env = "NODE_NAME", default_value = "node")]
     node_name: String,
     /// Outbound destination ports never captured (comma-separated).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "ZTUNNEL_EXCLUDE_OUTBOUND_PORTS", value_delimiter = ',')]
     exclude_outbound_ports: Vec<u16>,
     /// Outbound destination CIDRs never captured (comma-separated).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "ZTUNNEL_EXCLUDE_OUTBOUND_CIDRS", value_delimiter = ',')]
     exclude_outbound_cidrs: Vec<Cidr>,
     /// Inbound destination ports never captured (comma-separated).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "ZTUNNEL_EXCLUDE_INBOUND_PORTS", value_delimiter = ',')]
     exclude_inbound_ports: Vec<u16>,
     /// Inbound source CIDRs never captured, e.g. the node's health-probe
     /// address (comma-separated).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "ZTUNNEL_EXCLUDE_INBOUND_CIDRS", value_delimiter = ',')]
     exclude_inbound_cidrs: Vec<Cidr>,
     /// Enrolment socket (ZDS protocol) for CNI plugins and `ztunnel enrol`.
-    #[arg(long, default_value = zds::DEFAULT_SOCKET)]
+    #[arg(long, env = "ZTUNNEL_ENROL_SOCKET", default_value = zds::DEFAULT_SOCKET)]
     enrol_socket: PathBuf,
     /// Seconds to wait for pods to be re-enrolled after a restart before the
     /// kernel state left for them is removed.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "ZTUNNEL_RECONCILE_GRACE", default_value_t = 10)]
     reconcile_grace: u64,
     /// Data-plane worker threads.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "ZTUNNEL_WORKER_THREADS", default_value_t = 2)]
     worker_threads: usize,
     /// Folder of the built-in development CA (created on first use; point
     /// every node of a local-mode mesh at the same one). Ignored with
@@ -113,24 +119,24 @@ struct RunArgs {
     ca_dir: PathBuf,
     /// CA certificate (PEM) to issue workload certificates with, instead of
     /// the development CA. Needs --ca-key.
-    #[arg(long, requires = "ca_key")]
+    #[arg(long, env = "ZTUNNEL_CA_CERT", requires = "ca_key")]
     ca_cert: Option<PathBuf>,
     /// Private key (PEM) of --ca-cert.
-    #[arg(long, requires = "ca_cert")]
+    #[arg(long, env = "ZTUNNEL_CA_KEY", requires = "ca_cert")]
     ca_key: Option<PathBuf>,
     /// Root certificate (PEM) when --ca-cert is an intermediate.
-    #[arg(long, requires = "ca_cert")]
+    #[arg(long, env = "ZTUNNEL_CA_ROOT", requires = "ca_cert")]
     ca_root: Option<PathBuf>,
     /// Lifetime of workload certificates, in seconds (rotated at half-life;
     /// values under a minute are only useful for tests).
-    #[arg(long, default_value_t = 24 * 3600)]
+    #[arg(long, env = "ZTUNNEL_CERT_LIFETIME", default_value_t = 24 * 3600)]
     cert_lifetime: u64,
     /// Seconds after which an idle pooled HBONE connection is closed.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, env = "ZTUNNEL_POOL_IDLE_TIMEOUT", default_value_t = 300)]
     pool_idle_timeout: u64,
     /// Carry connections between two pods of this node in-process, without
     /// TLS (both identities are known here; policy still applies).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, env = "ZTUNNEL_LOCAL_FASTPATH", value_enum, default_value_t = OnOff::On)]
     local_fastpath: OnOff,
 }
 
@@ -179,6 +185,14 @@ enum EnrolAction {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable `key=value` lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum OnOff {
     On,
     Off,
@@ -186,10 +200,14 @@ enum OnOff {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_new(&cli.log).context("invalid --log filter")?)
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = EnvFilter::try_new(&cli.log).context("invalid --log filter")?;
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     match cli.command {
         Command::Probe => {
             probe::check_kernel()?;
@@ -211,6 +229,7 @@ fn settings(args: RunArgs) -> app::Settings {
         tc_mode: args.tc_mode,
         cleanup: args.cleanup,
         config: args.config,
+        trust_domain: args.trust_domain,
         node_name: args.node_name,
         exclusions: capture::maps::Exclusions {
             outbound_ports: args.exclude_outbound_ports,

@@ -196,7 +196,22 @@ fn generate_dev_root(cert: &Path, key: &Path, trust_domain: &str) -> Result<(), 
     ];
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, trust_domain);
-    dn.push(DnType::CommonName, "ztunnel-rs development CA");
+    // A per-CA suffix: two development CAs never share a name, so a peer
+    // from another CA fails with "unknown issuer", not a signature error.
+    let suffix = pair
+        .public_key_raw()
+        .iter()
+        .skip(1)
+        .take(4)
+        .fold(String::new(), |mut s, b| {
+            use std::fmt::Write as _;
+            let _ = write!(s, "{b:02x}");
+            s
+        });
+    dn.push(
+        DnType::CommonName,
+        format!("ztunnel-rs development CA {suffix}"),
+    );
     params.distinguished_name = dn;
     let now = SystemTime::now();
     params.not_before = (now - CLOCK_SKEW).into();

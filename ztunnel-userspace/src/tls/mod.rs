@@ -189,6 +189,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn two_processes_sharing_the_ca_folder_trust_each_other() {
+        let first = certs("shared");
+        let dir = std::env::temp_dir().join(format!("zt-tls-shared-{}", std::process::id()));
+        let second = Arc::new(CertManager::new(
+            CertificateAuthority::development(&dir, "cluster.local").expect("reload"),
+            Duration::from_secs(3600),
+        ));
+        let a = Identity::new("cluster.local", "demo", "a");
+        let b = Identity::new("cluster.local", "demo", "b");
+        let (c, s) = handshake(
+            client_config(&second, &a, vec![b.clone()]).expect("client"),
+            server_config(&first, &b).expect("server"),
+        )
+        .await;
+        assert!(c.is_ok() && s.is_ok(), "{c:?} {s:?}");
+    }
+
+    #[tokio::test]
     async fn a_server_with_another_identity_is_refused_by_name() {
         let certs = certs("san");
         let a = Identity::new("cluster.local", "demo", "a");
