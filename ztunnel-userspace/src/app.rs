@@ -70,6 +70,10 @@ pub struct Settings {
     /// Connections between two pods of this node skip TLS (identities and
     /// policy still apply).
     pub local_fastpath: bool,
+    /// Admin, metrics and readiness addresses.
+    pub admin: crate::admin::Addresses,
+    /// How long open connections may run after SIGTERM.
+    pub drain_timeout: Duration,
 }
 
 /// Where workload certificates come from.
@@ -120,10 +124,13 @@ pub enum AppError {
     /// The CA could not be loaded or created.
     #[error(transparent)]
     Identity(#[from] crate::identity::IdentityError),
+    /// The admin servers could not start.
+    #[error(transparent)]
+    Admin(#[from] crate::admin::AdminError),
 }
 
-/// Runs the daemon until SIGTERM/SIGINT.
-pub fn run(settings: &Settings) -> Result<(), AppError> {
+/// Runs the daemon until SIGTERM/SIGINT, then drains.
+pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result<(), AppError> {
     let cgroup_dir = match &settings.cgroup {
         Some(dir) => dir.clone(),
         None => cgroup::cgroup2_mount()?,
@@ -154,6 +161,7 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
         certs: Arc::clone(&certs),
         pool: Arc::new(HbonePool::new(certs, settings.pool_idle_timeout)),
         local_pods: settings.local_fastpath.then(Default::default),
+        metrics: crate::telemetry::Metrics::new(),
     };
 
     let pins = PinRoot::prepare(&settings.bpffs)?;
@@ -186,6 +194,18 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
         .map_err(Box::new)?,
     );
 
+    let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let metrics = Arc::clone(&registry.shared().metrics);
+    crate::admin::start(
+        settings.admin,
+        Arc::new(crate::admin::AdminState {
+            registry: Arc::clone(&registry),
+            metrics: Arc::clone(&metrics),
+            ready: Arc::clone(&ready),
+            log_control,
+            cgroup: cgroup_dir.clone(),
+        }),
+    )?;
     if let Some(config) = &initial {
         apply_config(&registry, config, &settings.node_name);
     }
@@ -220,6 +240,9 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?,
         )
     };
+    // Programs attached, pods enrolled (their certificates issued on
+    // enrolment), first config applied.
+    crate::admin::set_ready(&ready, true);
     tracing::info!("ztunnel ready");
     runtime.block_on(async {
         tokio::select! {
@@ -228,8 +251,37 @@ pub fn run(settings: &Settings) -> Result<(), AppError> {
         }
     });
 
-    tracing::info!("shutting down");
+    // Drain: stop accepting, let open connections finish until the
+    // deadline; a second signal exits at once.
+    crate::admin::set_ready(&ready, false);
     registry.stop_listeners();
+    tracing::info!(
+        deadline_s = settings.drain_timeout.as_secs(),
+        active = metrics.active_connections(),
+        "draining"
+    );
+    let deadline = tokio::time::Instant::now() + settings.drain_timeout;
+    runtime.block_on(async {
+        loop {
+            if metrics.active_connections() <= 0 {
+                tracing::info!("drained: no connection left");
+                break;
+            }
+            tokio::select! {
+                _ = int.recv() => std::process::exit(0),
+                _ = term.recv() => {
+                    tracing::warn!("second signal during drain: exiting now");
+                    std::process::exit(0);
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(active = metrics.active_connections(), "drain deadline reached: closing the rest");
+                    break;
+                }
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    });
+    tracing::info!("shutting down");
     if let Some(socket) = &settings.enrol_socket {
         let _ = std::fs::remove_file(socket);
     }
@@ -315,9 +367,13 @@ fn watch_config(
                         }
                         tracing::info!(config = %path.display(), "config changed: applying");
                         registry.shared().state.replace(MeshState::new(config.clone()));
+                        registry.shared().metrics.reload(true);
                         apply_config(&registry, &config, &node);
                     }
-                    Err(e) => tracing::error!(error = %e, "config change rejected; keeping the last good config"),
+                    Err(e) => {
+                        registry.shared().metrics.reload(false);
+                        tracing::error!(error = %e, "config change rejected; keeping the last good config");
+                    }
                 }
             }
         })

@@ -9,6 +9,7 @@
 //! - The kernel programs steer an enrolled pod's connections onto ztunnel's
 //!   listeners inside that pod; the proxy (later issues) carries them.
 
+pub mod admin;
 pub mod app;
 pub mod bpffs;
 pub mod capture;
@@ -21,4 +22,5 @@ pub mod netns;
 pub mod probe;
 pub mod proxy;
 pub mod state;
+pub mod telemetry;
 pub mod tls;

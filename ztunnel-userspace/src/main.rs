@@ -138,6 +138,19 @@ struct RunArgs {
     /// TLS (both identities are known here; policy still applies).
     #[arg(long, env = "ZTUNNEL_LOCAL_FASTPATH", value_enum, default_value_t = OnOff::On)]
     local_fastpath: OnOff,
+    /// Admin server (config dump, logging, healthz); keep it on loopback.
+    #[arg(long, env = "ZTUNNEL_ADMIN_ADDR", default_value = "127.0.0.1:15000")]
+    admin_addr: std::net::SocketAddr,
+    /// Prometheus metrics server.
+    #[arg(long, env = "ZTUNNEL_METRICS_ADDR", default_value = "0.0.0.0:15020")]
+    metrics_addr: std::net::SocketAddr,
+    /// Readiness server (`/healthz/ready`).
+    #[arg(long, env = "ZTUNNEL_READINESS_ADDR", default_value = "0.0.0.0:15021")]
+    readiness_addr: std::net::SocketAddr,
+    /// Seconds open connections may keep running after SIGTERM before they
+    /// are closed (a second SIGTERM exits at once).
+    #[arg(long, env = "ZTUNNEL_DRAIN_TIMEOUT", default_value_t = 30)]
+    drain_timeout: u64,
 }
 
 #[derive(clap::Args)]
@@ -200,14 +213,7 @@ enum OnOff {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_new(&cli.log).context("invalid --log filter")?;
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().flatten_event(true).init(),
-    }
+    let log_control = init_logging(&cli.log, cli.log_format)?;
     match cli.command {
         Command::Probe => {
             probe::check_kernel()?;
@@ -215,9 +221,33 @@ fn main() -> Result<()> {
             println!("kernel ok: every required hook is available (TC attach mode: {mode:?})");
             Ok(())
         }
-        Command::Run(args) => Ok(app::run(&settings(*args))?),
+        Command::Run(args) => Ok(app::run(&settings(*args), log_control)?),
         Command::Enrol(args) => enrol(args),
     }
+}
+
+/// Installs the subscriber (text or JSON on stderr) with a reloadable
+/// filter, and returns the handle the admin `/logging` endpoint uses.
+fn init_logging(filter: &str, format: LogFormat) -> Result<ztunnel::admin::LogControl> {
+    use tracing_subscriber::{fmt, prelude::*, reload};
+    let (filter, handle) =
+        reload::Layer::new(EnvFilter::try_new(filter).context("invalid --log filter")?);
+    let text = (format == LogFormat::Text).then(|| fmt::layer().with_writer(std::io::stderr));
+    let json = (format == LogFormat::Json).then(|| {
+        fmt::layer()
+            .json()
+            .flatten_event(true)
+            .with_writer(std::io::stderr)
+    });
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(text)
+        .with(json)
+        .init();
+    Ok(std::sync::Arc::new(move |new: &str| {
+        let filter = EnvFilter::try_new(new).map_err(|e| e.to_string())?;
+        handle.reload(filter).map_err(|e| e.to_string())
+    }))
 }
 
 /// Flags to settings: a pure mapping, kept apart from reading them.
@@ -251,6 +281,12 @@ fn settings(args: RunArgs) -> app::Settings {
         cert_lifetime: Duration::from_secs(args.cert_lifetime.max(2)),
         pool_idle_timeout: Duration::from_secs(args.pool_idle_timeout.max(1)),
         local_fastpath: args.local_fastpath == OnOff::On,
+        admin: ztunnel::admin::Addresses {
+            admin: args.admin_addr,
+            metrics: args.metrics_addr,
+            readiness: args.readiness_addr,
+        },
+        drain_timeout: Duration::from_secs(args.drain_timeout),
     }
 }
 

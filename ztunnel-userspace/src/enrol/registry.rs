@@ -200,6 +200,10 @@ impl PodRegistry {
         self.remove(&uid)?;
 
         let capture_err = EnrolError::capture(&uid);
+        // Issue the pod's certificate now: readiness promises it exists.
+        if let Err(e) = self.shared.certs.certified_key(&req.identity) {
+            tracing::error!(pod = %uid, error = %e, "could not issue the pod's certificate");
+        }
         let sockets = SocketFactory::start(&req.netns).map_err(|source| EnrolError::Io {
             uid: uid.clone(),
             source,
@@ -299,12 +303,13 @@ impl PodRegistry {
             orig_dst: Arc::clone(&self.orig_dst),
             shared: self.shared.clone(),
         };
-        let in_ctx = InboundContext::from(pod);
+        let in_ctx = InboundContext::new(pod, &self.shared);
         let hbone = HboneServer {
             pod: pod.uid.clone(),
             identity: pod.identity.clone(),
             tls,
             sockets: pod.sockets.clone(),
+            shared: self.shared.clone(),
         };
         for l in listeners.outbound {
             let l = tokio::net::TcpListener::from_std(l).map_err(io)?;

@@ -13,7 +13,7 @@
 //! do not trust fails the handshake; that is logged with its address and
 //! the connection is closed. Nothing reaches the application.
 
-use std::{net::SocketAddr, sync::Arc, time::Instant};
+use std::{net::SocketAddr, sync::Arc};
 
 use bytes::Bytes;
 use h2::server::SendResponse;
@@ -40,6 +40,8 @@ pub struct HboneServer {
     pub tls: Arc<rustls::ServerConfig>,
     /// Creates sockets inside the pod.
     pub sockets: SocketFactory,
+    /// State and metrics.
+    pub shared: crate::proxy::Shared,
 }
 
 impl std::fmt::Debug for HboneServer {
@@ -162,7 +164,28 @@ async fn stream(
             "target is one of ztunnel's own ports",
         );
     }
-    let started = Instant::now();
+    let state = server.shared.state.current();
+    let mut src = state.endpoint(peer);
+    src.identity = Some(peer_identity.to_string());
+    let mut dst = state.endpoint(target);
+    dst.identity = Some(server.identity.to_string());
+    let who = crate::state::policy::Peer {
+        identity: Some(peer_identity),
+        ip: peer.ip(),
+    };
+    if let Err((policy, reason)) =
+        state.authorize_inbound(&server.pod, &server.identity, &who, target.port())
+    {
+        crate::telemetry::connection::denied(
+            &server.shared.metrics,
+            &src,
+            &dst,
+            "inbound",
+            &policy,
+            &reason,
+        );
+        return refuse(respond, StatusCode::UNAUTHORIZED, &reason);
+    }
     let upstream = match server.sockets.connect_from(target, Some(peer.ip())).await {
         Ok(upstream) => upstream,
         Err(e) => return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
@@ -182,16 +205,18 @@ async fn stream(
         }
     };
     tracing::info!(src_identity = %peer_identity, dst_identity = %server.identity, path = "hbone", "inbound connection opened");
+    let record = crate::telemetry::ConnectionRecord::open(
+        &server.shared.metrics,
+        "inbound",
+        "hbone",
+        src,
+        dst,
+        None,
+    );
+    // tcp_to_h2 counts (app -> stream, stream -> app); for the record the
+    // client is the remote peer: sent = from the client, received = to it.
     match super::copy::tcp_to_h2(upstream, send, request.into_body()).await {
-        Ok((to_client, from_client)) => tracing::info!(
-            bytes_sent = to_client,
-            bytes_received = from_client,
-            duration_ms = started.elapsed().as_millis() as u64,
-            result = "ok",
-            "connection closed"
-        ),
-        Err(e) => {
-            tracing::info!(duration_ms = started.elapsed().as_millis() as u64, result = "error", error = %e, "connection closed");
-        }
+        Ok((to_client, from_client)) => record.close(from_client, to_client, &Ok(())),
+        Err(e) => record.close(0, 0, &Err(e.to_string())),
     }
 }

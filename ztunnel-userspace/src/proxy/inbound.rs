@@ -19,15 +19,22 @@ use super::{PodContext, ProxyError, next_connection_id, relay, socket_factory::S
 pub struct InboundContext {
     /// Pod uid, for logs.
     pub pod: String,
+    /// The pod's identity.
+    pub identity: crate::identity::Identity,
     /// Creates marked sockets inside the pod.
     pub sockets: SocketFactory,
+    /// State, metrics.
+    pub shared: super::Shared,
 }
 
-impl From<&PodContext> for InboundContext {
-    fn from(pod: &PodContext) -> Self {
+impl InboundContext {
+    /// The inbound context of `pod`.
+    pub fn new(pod: &PodContext, shared: &super::Shared) -> Self {
         Self {
             pod: pod.uid.clone(),
+            identity: pod.identity.clone(),
             sockets: pod.sockets.clone(),
+            shared: shared.clone(),
         }
     }
 }
@@ -81,8 +88,38 @@ async fn plaintext(
         return Err(ProxyError::OwnPort(dst));
     }
     stream.set_nodelay(true)?;
+    let state = ctx.shared.state.current();
+    let src = state.endpoint(client);
+    let mut dst_end = state.endpoint(dst);
+    dst_end.identity = Some(ctx.identity.to_string());
+    let peer = crate::state::policy::Peer {
+        identity: None,
+        ip: client.ip(),
+    };
+    if let Err((policy, reason)) =
+        state.authorize_inbound(&ctx.pod, &ctx.identity, &peer, dst.port())
+    {
+        tracing::info!(orig_dst = %dst, path = "plaintext", %reason, result = "denied", "inbound connection denied");
+        crate::telemetry::connection::denied(
+            &ctx.shared.metrics,
+            &src,
+            &dst_end,
+            "inbound",
+            &policy,
+            &reason,
+        );
+        return Err(ProxyError::Denied("authorization policy"));
+    }
     // From the client's own IP (transparent), so the application sees it.
     let upstream = ctx.sockets.connect_from(dst, Some(client.ip())).await?;
     tracing::info!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
-    relay(stream, upstream).await.map(|_| ())
+    let record = crate::telemetry::ConnectionRecord::open(
+        &ctx.shared.metrics,
+        "inbound",
+        "plaintext",
+        src,
+        dst_end,
+        None,
+    );
+    relay(stream, upstream, record).await
 }

@@ -21,7 +21,6 @@ use std::{
     net::{IpAddr, SocketAddr},
     sync::Arc,
     sync::atomic::{AtomicU64, Ordering},
-    time::Instant,
 };
 
 use tokio::net::TcpStream;
@@ -42,6 +41,8 @@ pub struct Shared {
     pub certs: Arc<CertManager>,
     /// Pooled HBONE connections.
     pub pool: Arc<HbonePool>,
+    /// Metrics.
+    pub metrics: Arc<crate::telemetry::Metrics>,
     /// Pods enrolled on this node by IP, for the same-node fast path
     /// (`None` when the fast path is off).
     pub local_pods: Option<Arc<std::sync::RwLock<HashMap<IpAddr, PodContext>>>>,
@@ -121,26 +122,19 @@ pub fn next_connection_id() -> u64 {
 }
 
 /// Copies both ways until both directions are done, honouring half-close,
-/// and logs one line with the byte counts and duration.
+/// then closes `record` (metrics and the access log line).
 pub async fn relay(
     mut downstream: TcpStream,
     mut upstream: TcpStream,
-) -> Result<(u64, u64), ProxyError> {
-    let started = Instant::now();
-    let result = tokio::io::copy_bidirectional(&mut downstream, &mut upstream).await;
-    match result {
+    record: crate::telemetry::ConnectionRecord,
+) -> Result<(), ProxyError> {
+    match tokio::io::copy_bidirectional(&mut downstream, &mut upstream).await {
         Ok((sent, received)) => {
-            tracing::info!(
-                bytes_sent = sent,
-                bytes_received = received,
-                duration_ms = started.elapsed().as_millis() as u64,
-                result = "ok",
-                "connection closed"
-            );
-            Ok((sent, received))
+            record.close(sent, received, &Ok(()));
+            Ok(())
         }
         Err(e) => {
-            tracing::info!(duration_ms = started.elapsed().as_millis() as u64, result = "error", error = %e, "connection closed");
+            record.close(0, 0, &Err(e.to_string()));
             Err(e.into())
         }
     }

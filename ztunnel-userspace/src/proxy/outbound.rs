@@ -11,7 +11,6 @@
 use std::{
     net::SocketAddr,
     sync::{Arc, Mutex},
-    time::Instant,
 };
 
 use tokio::net::{TcpListener, TcpStream};
@@ -24,7 +23,8 @@ use crate::{
         copy,
         pool::{PoolKey, Tunnel, hbone_addr},
     },
-    state::Route,
+    state::{Route, policy::Peer},
+    telemetry::{self, ConnectionRecord, Endpoint},
 };
 
 /// What the outbound path of one pod needs.
@@ -90,22 +90,48 @@ pub async fn handle(
 ) -> Result<(), ProxyError> {
     stream.set_nodelay(true)?;
     let client_port = stream.peer_addr().map_or(0, |a| a.port());
-    let upstream = open(dst, client_port, ctx).await?;
-    carry(stream, upstream).await
+    let (upstream, record) = open(dst, client_port, ctx).await?;
+    carry(stream, upstream, record).await
 }
 
-/// Decides the route for `dst` and opens the upstream side.
+fn source(ctx: &OutboundContext, src_ip: Option<std::net::IpAddr>, port: u16) -> Endpoint {
+    let state = ctx.shared.state.current();
+    let workload = state.workload(&ctx.pod.uid);
+    Endpoint {
+        workload: workload.map_or_else(|| ctx.pod.uid.clone(), |w| w.name.clone()),
+        namespace: ctx.pod.identity.namespace.clone(),
+        addr: src_ip
+            .or_else(|| ctx.pod.ips.first().copied())
+            .map(|ip| SocketAddr::new(ip, port)),
+        identity: Some(ctx.pod.identity.to_string()),
+    }
+}
+
+/// Decides the route for `dst` and opens the upstream side; the returned
+/// record has counted the connection as opened.
 pub async fn open(
     dst: SocketAddr,
     client_port: u16,
     ctx: &OutboundContext,
-) -> Result<Upstream, ProxyError> {
-    let route = ctx.shared.state.current().route(dst);
+) -> Result<(Upstream, ConnectionRecord), ProxyError> {
+    let state = ctx.shared.state.current();
+    let service = state.service_by_vip(dst.ip()).map(|s| s.name.clone());
+    let route = state.route(dst);
+    let metrics = &ctx.shared.metrics;
     match route {
         Route::Passthrough { target } => {
             let upstream = ctx.pod.sockets.connect(target).await?;
             tracing::info!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
-            Ok(Upstream::Tcp(upstream))
+            let src = source(ctx, None, client_port);
+            let record = ConnectionRecord::open(
+                metrics,
+                "outbound",
+                "passthrough",
+                src,
+                state.endpoint(target),
+                service.as_deref(),
+            );
+            Ok((Upstream::Tcp(upstream), record))
         }
         Route::Hbone {
             target,
@@ -117,14 +143,30 @@ pub async fn open(
                 .pod
                 .ip_like(target.ip())
                 .ok_or(ProxyError::NoPodAddress(family))?;
+            let src = source(ctx, Some(src_ip), client_port);
+            let mut dst_end = state.endpoint(target);
+            dst_end.identity = Some(identity.to_string());
             if let Some(local) = ctx.shared.local_pod(target.ip()) {
                 // Same node: no TLS needed, the identities are known here.
-                // The connection comes from the client pod's IP, made inside
-                // the destination pod, exactly like an HBONE inbound leg.
+                // The destination's policy is applied here, as its 15008
+                // would, and the connection is made inside the destination
+                // pod from the client pod's IP, like an HBONE inbound leg.
                 if local.identity != identity {
                     return Err(ProxyError::Denied(
                         "same-node destination has another identity than expected",
                     ));
+                }
+                let peer = Peer {
+                    identity: Some(&ctx.pod.identity),
+                    ip: src_ip,
+                };
+                if let Err((policy, reason)) =
+                    state.authorize_inbound(&local.uid, &local.identity, &peer, target.port())
+                {
+                    telemetry::connection::denied(
+                        metrics, &src, &dst_end, "outbound", &policy, &reason,
+                    );
+                    return Err(ProxyError::Denied("authorization policy (same node)"));
                 }
                 let upstream = local.sockets.connect_from(target, Some(src_ip)).await?;
                 tracing::info!(
@@ -136,7 +178,15 @@ pub async fn open(
                     path = "local",
                     "outbound connection opened"
                 );
-                return Ok(Upstream::Tcp(upstream));
+                let record = ConnectionRecord::open(
+                    metrics,
+                    "outbound",
+                    "local",
+                    src,
+                    dst_end,
+                    service.as_deref(),
+                );
+                return Ok((Upstream::Tcp(upstream), record));
             }
             let key = PoolKey {
                 src_ip,
@@ -160,30 +210,50 @@ pub async fn open(
                 path = "hbone",
                 "outbound connection opened"
             );
-            Ok(Upstream::Tunnel(tunnel))
+            let record = ConnectionRecord::open(
+                metrics,
+                "outbound",
+                "hbone",
+                src,
+                dst_end,
+                service.as_deref(),
+            );
+            Ok((Upstream::Tunnel(tunnel), record))
         }
         Route::Deny { reason } => {
             tracing::info!(orig_dst = %dst, path = "denied", %reason, result = "denied", "outbound connection denied");
+            let src = source(ctx, None, client_port);
+            telemetry::connection::denied(
+                metrics,
+                &src,
+                &state.endpoint(dst),
+                "outbound",
+                "outbound_traffic_policy",
+                reason,
+            );
             Err(ProxyError::Denied(reason))
         }
     }
 }
 
-/// Copies both ways between the application's connection and `upstream`.
-pub async fn carry(stream: TcpStream, upstream: Upstream) -> Result<(), ProxyError> {
+/// Copies both ways between the application's connection and `upstream`,
+/// then closes the record.
+pub async fn carry(
+    stream: TcpStream,
+    upstream: Upstream,
+    record: ConnectionRecord,
+) -> Result<(), ProxyError> {
     match upstream {
-        Upstream::Tcp(upstream) => relay(stream, upstream).await.map(|_| ()),
-        Upstream::Tunnel(tunnel) => {
-            let started = Instant::now();
-            let (sent, received) = copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await?;
-            tracing::info!(
-                bytes_sent = sent,
-                bytes_received = received,
-                duration_ms = started.elapsed().as_millis() as u64,
-                result = "ok",
-                "connection closed"
-            );
-            Ok(())
-        }
+        Upstream::Tcp(upstream) => relay(stream, upstream, record).await,
+        Upstream::Tunnel(tunnel) => match copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await {
+            Ok((sent, received)) => {
+                record.close(sent, received, &Ok(()));
+                Ok(())
+            }
+            Err(e) => {
+                record.close(0, 0, &Err(e.to_string()));
+                Err(e.into())
+            }
+        },
     }
 }

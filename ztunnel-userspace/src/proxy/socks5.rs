@@ -111,9 +111,9 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
     tracing::Span::current().record("dst", tracing::field::display(dst));
     let client_port = stream.peer_addr().map_or(0, |a| a.port());
     match outbound::open(dst, client_port, ctx).await {
-        Ok(upstream) => {
+        Ok((upstream, record)) => {
             reply(&mut stream, Reply::Ok).await?;
-            outbound::carry(stream, upstream)
+            outbound::carry(stream, upstream, record)
                 .await
                 .map_err(|e| SocksError::Io(std::io::Error::other(e)))
         }

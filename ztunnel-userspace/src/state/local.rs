@@ -38,7 +38,7 @@ use super::{Service, Workload, mesh::OutboundTrafficPolicy};
 pub const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
 
 /// The whole file.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct LocalConfig {
     /// SPIFFE trust domain of this mesh.
@@ -53,6 +53,12 @@ pub struct LocalConfig {
     /// What to do with destinations the mesh does not know.
     #[serde(default)]
     pub outbound_traffic_policy: OutboundTrafficPolicy,
+    /// L4 authorization policies.
+    #[serde(default)]
+    pub policies: Vec<super::policy::Policy>,
+    /// mTLS modes.
+    #[serde(default)]
+    pub peer_authentications: Vec<super::policy::PeerAuthentication>,
 }
 
 fn default_td() -> String {
@@ -66,6 +72,8 @@ impl Default for LocalConfig {
             workloads: Vec::new(),
             services: Vec::new(),
             outbound_traffic_policy: OutboundTrafficPolicy::default(),
+            policies: Vec::new(),
+            peer_authentications: Vec::new(),
         }
     }
 }

@@ -38,7 +38,7 @@ pub enum Route {
 }
 
 /// What to do with destinations the mesh does not know.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum OutboundTrafficPolicy {
     /// Plain passthrough (Istio's default).
@@ -194,6 +194,65 @@ impl MeshState {
                 workload: w.uid.clone(),
             },
             WorkloadProtocol::Tcp => Route::Passthrough { target },
+        }
+    }
+
+    /// How logs and metrics show the owner of `addr`.
+    pub fn endpoint(&self, addr: SocketAddr) -> crate::telemetry::Endpoint {
+        self.workload_by_ip(addr.ip()).map_or_else(
+            || crate::telemetry::Endpoint {
+                addr: Some(addr),
+                ..Default::default()
+            },
+            |w| crate::telemetry::Endpoint {
+                workload: w.name.clone(),
+                namespace: w.namespace.clone(),
+                addr: Some(addr),
+                identity: (w.protocol == WorkloadProtocol::Hbone)
+                    .then(|| self.identity(w).to_string()),
+            },
+        )
+    }
+
+    /// Authorizes a connection to the local pod `uid` (whose identity is
+    /// `identity`) from `peer` on `port`: the mTLS mode first (plaintext
+    /// under STRICT is refused), then the authorization policies. The
+    /// error names what refused it: (policy label for metrics, reason).
+    pub fn authorize_inbound(
+        &self,
+        uid: &str,
+        identity: &Identity,
+        peer: &super::policy::Peer<'_>,
+        port: u16,
+    ) -> Result<(), (String, String)> {
+        let empty = std::collections::BTreeMap::new();
+        let (namespace, labels) = self
+            .workload(uid)
+            .map_or((identity.namespace.as_str(), &empty), |w| {
+                (w.namespace.as_str(), &w.labels)
+            });
+        let target = super::policy::Target {
+            namespace,
+            labels,
+            port,
+        };
+        if peer.identity.is_none()
+            && super::policy::mtls_mode(&self.config.peer_authentications, &target)
+                == super::policy::MtlsMode::Strict
+        {
+            return Err((
+                "mtls_strict".into(),
+                "STRICT mTLS: plaintext connections are refused".into(),
+            ));
+        }
+        match super::policy::authorize(&self.config.policies, peer, &target) {
+            super::policy::Decision::Allow => Ok(()),
+            super::policy::Decision::Deny(reason) => {
+                let label = reason
+                    .strip_prefix("denied by DENY policy ")
+                    .map_or_else(|| "no_allow_match".to_owned(), ToOwned::to_owned);
+                Err((label, reason))
+            }
         }
     }
 

@@ -3,6 +3,7 @@
 
 pub mod local;
 pub mod mesh;
+pub mod policy;
 pub mod service;
 pub mod workload;
 

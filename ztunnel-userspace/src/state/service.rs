@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use serde::Deserialize;
 
 /// One port of a service.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ServicePort {
     /// Port on the VIP.
@@ -16,7 +16,7 @@ pub struct ServicePort {
 }
 
 /// A service.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Service {
     /// Name.

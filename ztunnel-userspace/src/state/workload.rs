@@ -5,7 +5,7 @@ use std::{net::IpAddr, path::PathBuf};
 use serde::Deserialize;
 
 /// How a workload's traffic is carried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, serde::Serialize)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum WorkloadProtocol {
     /// Captured by ztunnel; peers reach it over HBONE.
@@ -16,7 +16,7 @@ pub enum WorkloadProtocol {
 }
 
 /// Per-pod opt-outs of capture.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CaptureOptOut {
     /// Capture the pod's own outbound connections.
@@ -41,7 +41,7 @@ impl Default for CaptureOptOut {
 }
 
 /// One workload.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Workload {
     /// Unique id (Kubernetes: the pod uid).
@@ -68,6 +68,9 @@ pub struct Workload {
     /// Capture opt-outs.
     #[serde(default)]
     pub capture: CaptureOptOut,
+    /// Labels (for policy selectors).
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 fn default_sa() -> String {

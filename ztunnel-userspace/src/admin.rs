@@ -1,0 +1,345 @@
+//! Admin (127.0.0.1:15000), metrics (:15020) and readiness (:15021), on a
+//! small current-thread runtime of their own, so that a slow scrape or a
+//! big config dump never takes a worker from the data plane.
+//!
+//! - `GET /config_dump` (admin): JSON with the workloads, services,
+//!   policies, certificates (identity and validity only; never keys),
+//!   enrolled pods, and the attached programs with their map entry counts.
+//! - `GET|POST /logging?level=FILTER` (admin): changes the log filter.
+//! - `GET /healthz` (admin): 200 while the process runs.
+//! - `GET /metrics` (metrics): Prometheus text.
+//! - `GET /healthz/ready` (readiness): 200 once the programs are attached,
+//!   the certificates of the enrolled pods are issued and the first config
+//!   is applied; 503 before that and while draining.
+
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::{body::Incoming, server::conn::http1, service::service_fn};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use crate::{capture, enrol::PodRegistry, telemetry::Metrics};
+
+/// Changes the log filter at runtime.
+pub type LogControl = Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+/// Where the three servers listen.
+#[derive(Debug, Clone, Copy)]
+pub struct Addresses {
+    /// Admin (config dump, logging, healthz).
+    pub admin: SocketAddr,
+    /// Prometheus metrics.
+    pub metrics: SocketAddr,
+    /// Readiness.
+    pub readiness: SocketAddr,
+}
+
+/// What the servers read.
+pub struct AdminState {
+    /// The pods and programs.
+    pub registry: Arc<PodRegistry>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Readiness flag.
+    pub ready: Arc<AtomicBool>,
+    /// Log filter control.
+    pub log_control: LogControl,
+    /// The capture cgroup.
+    pub cgroup: std::path::PathBuf,
+}
+
+impl std::fmt::Debug for AdminState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminState").finish_non_exhaustive()
+    }
+}
+
+/// Errors starting the servers.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// Binding failed.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+type Body = Full<Bytes>;
+
+fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", content_type)
+        .body(Full::new(body.into()))
+        .unwrap_or_default()
+}
+
+/// Binds the three listeners (so errors surface at start-up) and serves
+/// them on a dedicated thread with its own runtime.
+pub fn start(addrs: Addresses, state: Arc<AdminState>) -> Result<(), AdminError> {
+    let bind = |addr: SocketAddr| {
+        let l = std::net::TcpListener::bind(addr)
+            .map_err(|source| AdminError::Bind { addr, source })?;
+        l.set_nonblocking(true)
+            .map_err(|source| AdminError::Bind { addr, source })?;
+        Ok::<_, AdminError>(l)
+    };
+    let listeners = [
+        (bind(addrs.admin)?, Kind::Admin),
+        (bind(addrs.metrics)?, Kind::Metrics),
+        (bind(addrs.readiness)?, Kind::Readiness),
+    ];
+    std::thread::Builder::new()
+        .name("admin".into())
+        .spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                tracing::error!("admin runtime could not start");
+                return;
+            };
+            runtime.block_on(async move {
+                let mut tasks = Vec::new();
+                for (listener, kind) in listeners {
+                    let Ok(listener) = TcpListener::from_std(listener) else {
+                        continue;
+                    };
+                    tasks.push(tokio::spawn(serve(listener, kind, Arc::clone(&state))));
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+            });
+        })
+        .map_err(|source| AdminError::Bind {
+            addr: addrs.admin,
+            source,
+        })?;
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Admin,
+    Metrics,
+    Readiness,
+}
+
+async fn serve(listener: TcpListener, kind: Kind, state: Arc<AdminState>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let state = Arc::clone(&state);
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let state = Arc::clone(&state);
+                async move { Ok::<_, Infallible>(route(kind, &req, &state)) }
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn route(kind: Kind, req: &Request<Incoming>, state: &AdminState) -> Response<Body> {
+    let path = req.uri().path();
+    match (kind, path) {
+        (Kind::Admin, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n"),
+        (Kind::Admin, "/config_dump") => {
+            reply(StatusCode::OK, "application/json", config_dump(state))
+        }
+        (Kind::Admin, "/logging") => logging(req, state),
+        (Kind::Metrics, "/metrics") => {
+            refresh_gauges(state);
+            reply(
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                state.metrics.encode(),
+            )
+        }
+        (Kind::Readiness, "/healthz/ready") => {
+            if state.ready.load(Ordering::Acquire) {
+                reply(StatusCode::OK, "text/plain", "ready\n")
+            } else {
+                reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n")
+            }
+        }
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
+    }
+}
+
+fn logging(req: &Request<Incoming>, state: &AdminState) -> Response<Body> {
+    let level = req
+        .uri()
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("level="));
+    match level {
+        Some(level) => match (state.log_control)(level) {
+            Ok(()) => {
+                tracing::info!(filter = %level, "log filter changed");
+                reply(
+                    StatusCode::OK,
+                    "text/plain",
+                    format!("log filter set to {level}\n"),
+                )
+            }
+            Err(e) => reply(
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                format!("invalid log filter {level:?}: {e}\n"),
+            ),
+        },
+        None => reply(
+            StatusCode::BAD_REQUEST,
+            "text/plain",
+            "usage: /logging?level=<filter>\n",
+        ),
+    }
+}
+
+fn refresh_gauges(state: &AdminState) {
+    let m = &state.metrics;
+    if let Ok(Ok(counters)) = state
+        .registry
+        .with_programs(|p| capture::counters::read(&p.ebpf))
+    {
+        for (counter, value) in counters.iter() {
+            let labels = crate::telemetry::metrics::CaptureLabels {
+                event: counter.name().to_owned(),
+            };
+            m.capture.get_or_create(&labels).set(value as i64);
+        }
+    }
+    let shared = state.registry.shared();
+    m.pool_connections
+        .set(shared.pool.open_connections() as i64);
+    m.handshakes.set(shared.pool.handshakes() as i64);
+    m.pool_reused.set(shared.pool.reused() as i64);
+    for cert in shared.certs.dump() {
+        let labels = crate::telemetry::metrics::CertLabels {
+            identity: cert.identity,
+        };
+        m.cert_expiry
+            .get_or_create(&labels)
+            .set(cert.not_after as i64);
+    }
+}
+
+fn config_dump(state: &AdminState) -> String {
+    let shared = state.registry.shared();
+    let mesh = shared.state.current();
+    let config = mesh.config();
+    let programs = state
+        .registry
+        .with_programs(|p| {
+            let counters = capture::counters::read(&p.ebpf).ok();
+            let maps: serde_json::Map<String, serde_json::Value> = p
+                .ebpf
+                .maps()
+                .map(|(name, map)| (name.to_owned(), serde_json::json!(map_entries(map))))
+                .collect();
+            serde_json::json!({
+                "programs": p.ebpf.programs().map(|(name, _)| name).collect::<Vec<_>>(),
+                "maps": maps,
+                "counters": counters.map(|c| c.iter().map(|(k, v)| (k.name().to_owned(), v)).collect::<std::collections::BTreeMap<_, _>>()),
+            })
+        })
+        .unwrap_or_default();
+    let dump = serde_json::json!({
+        "trustDomain": config.trust_domain,
+        "workloads": config.workloads,
+        "services": config.services,
+        "policies": config.policies,
+        "peerAuthentications": config.peer_authentications,
+        "outboundTrafficPolicy": config.outbound_traffic_policy,
+        "certificates": shared.certs.dump(),
+        "enrolledPods": state.registry.list(),
+        "capture": {
+            "cgroup": state.cgroup,
+            "pins": state.registry.pins().pinned_objects(),
+            "kernel": programs,
+        },
+        "hbonePool": {
+            "openConnections": shared.pool.open_connections(),
+            "tlsHandshakes": shared.pool.handshakes(),
+            "reusedStreams": shared.pool.reused(),
+        },
+        "activeConnections": state.metrics.active_connections(),
+    });
+    serde_json::to_string_pretty(&dump).unwrap_or_default()
+}
+
+/// Entries in a hash-like map (arrays report their size; others `null`).
+fn map_entries(map: &aya::maps::Map) -> Option<usize> {
+    use aya::maps::Map;
+    match map {
+        Map::HashMap(data) | Map::LruHashMap(data) | Map::LpmTrie(data) => count_keys(data),
+        _ => None,
+    }
+}
+
+/// Counts the keys of a hash map by walking `BPF_MAP_GET_NEXT_KEY`.
+fn count_keys(data: &aya::maps::MapData) -> Option<usize> {
+    let info = data.info().ok()?;
+    let key_size = info.key_size() as usize;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&std::os::fd::AsFd::as_fd(data.fd()));
+    let mut key = vec![0u8; key_size];
+    let mut next = vec![0u8; key_size];
+    let mut count = 0usize;
+    let mut first = true;
+    // Bounded: never more than the map can hold.
+    for _ in 0..=info.max_entries() {
+        #[repr(C)]
+        struct Attr {
+            map_fd: u32,
+            _pad: u32,
+            key: u64,
+            next_key: u64,
+        }
+        let attr = Attr {
+            map_fd: fd as u32,
+            _pad: 0,
+            key: if first { 0 } else { key.as_ptr() as u64 },
+            next_key: next.as_mut_ptr() as u64,
+        };
+        // SAFETY: BPF_MAP_GET_NEXT_KEY (4) with buffers of the map's key size.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                4,
+                &raw const attr,
+                std::mem::size_of::<Attr>(),
+            )
+        };
+        if rc != 0 {
+            break;
+        }
+        count += 1;
+        first = false;
+        key.copy_from_slice(&next);
+    }
+    Some(count)
+}
+
+/// Marks ready/unready.
+pub fn set_ready(flag: &AtomicBool, ready: bool) {
+    flag.store(ready, Ordering::Release);
+}

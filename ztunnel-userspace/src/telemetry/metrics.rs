@@ -1,0 +1,246 @@
+//! Prometheus metrics.
+
+use std::sync::{
+    Arc, Mutex,
+    atomic::{AtomicI64, Ordering},
+};
+
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+
+/// Istio's standard TCP labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TcpLabels {
+    /// `source` (the client's ztunnel) or `destination` (the server's).
+    pub reporter: String,
+    /// Source workload name.
+    pub source_workload: String,
+    /// Source workload namespace.
+    pub source_workload_namespace: String,
+    /// Source SPIFFE id.
+    pub source_principal: String,
+    /// Destination workload name.
+    pub destination_workload: String,
+    /// Destination workload namespace.
+    pub destination_workload_namespace: String,
+    /// Destination SPIFFE id.
+    pub destination_principal: String,
+    /// Destination service name.
+    pub destination_service: String,
+    /// `mutual_tls` or `none`.
+    pub connection_security_policy: String,
+    /// `-`, or why the connection failed.
+    pub response_flags: String,
+}
+
+/// Labels of policy denials.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DenialLabels {
+    /// The policy (or `mtls_strict`, `no_allow_match`).
+    pub policy: String,
+}
+
+/// Labels of config reloads.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    /// `accepted` or `rejected`.
+    pub result: String,
+}
+
+/// Labels of capture counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CaptureLabels {
+    /// Counter name (`connect_redirected`, ...).
+    pub event: String,
+}
+
+/// Labels of certificate expiry.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CertLabels {
+    /// SPIFFE id.
+    pub identity: String,
+}
+
+/// Every metric ztunnel exports.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    /// `istio_tcp_connections_opened_total`.
+    pub opened: Family<TcpLabels, Counter>,
+    /// `istio_tcp_connections_closed_total`.
+    pub closed: Family<TcpLabels, Counter>,
+    /// `istio_tcp_sent_bytes_total` (client -> server).
+    pub sent: Family<TcpLabels, Counter>,
+    /// `istio_tcp_received_bytes_total` (server -> client).
+    pub received: Family<TcpLabels, Counter>,
+    /// `ztunnel_policy_denials_total`.
+    pub denials: Family<DenialLabels, Counter>,
+    /// `ztunnel_config_reloads_total`.
+    pub reloads: Family<ReloadLabels, Counter>,
+    /// `ztunnel_capture_events_total` (from the kernel maps, set at scrape).
+    pub capture: Family<CaptureLabels, Gauge>,
+    /// `ztunnel_hbone_pool_connections` (set at scrape).
+    pub pool_connections: Gauge,
+    /// `ztunnel_hbone_tls_handshakes_total` (set at scrape).
+    pub handshakes: Gauge,
+    /// `ztunnel_hbone_pool_reused_streams_total` (set at scrape).
+    pub pool_reused: Gauge,
+    /// `ztunnel_certificate_expiry_seconds` (unix time, set at scrape).
+    pub cert_expiry: Family<CertLabels, Gauge>,
+    /// `ztunnel_active_connections`.
+    pub active: Gauge<i64, AtomicI64>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    /// Registers everything.
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::default();
+        let this = Self {
+            registry: Mutex::new(Registry::default()),
+            opened: Family::default(),
+            closed: Family::default(),
+            sent: Family::default(),
+            received: Family::default(),
+            denials: Family::default(),
+            reloads: Family::default(),
+            capture: Family::default(),
+            pool_connections: Gauge::default(),
+            handshakes: Gauge::default(),
+            pool_reused: Gauge::default(),
+            cert_expiry: Family::default(),
+            active: Gauge::default(),
+        };
+        registry.register(
+            "istio_tcp_connections_opened",
+            "TCP connections opened",
+            this.opened.clone(),
+        );
+        registry.register(
+            "istio_tcp_connections_closed",
+            "TCP connections closed",
+            this.closed.clone(),
+        );
+        registry.register(
+            "istio_tcp_sent_bytes",
+            "Bytes sent by the client",
+            this.sent.clone(),
+        );
+        registry.register(
+            "istio_tcp_received_bytes",
+            "Bytes received by the client",
+            this.received.clone(),
+        );
+        registry.register(
+            "ztunnel_policy_denials",
+            "Connections denied, by policy",
+            this.denials.clone(),
+        );
+        registry.register(
+            "ztunnel_config_reloads",
+            "Config reloads, by result",
+            this.reloads.clone(),
+        );
+        registry.register(
+            "ztunnel_capture_events",
+            "Kernel capture counters (summed over CPUs), by event",
+            this.capture.clone(),
+        );
+        registry.register(
+            "ztunnel_hbone_pool_connections",
+            "Open pooled HBONE connections",
+            this.pool_connections.clone(),
+        );
+        registry.register(
+            "ztunnel_hbone_tls_handshakes",
+            "HBONE TLS handshakes done (client side)",
+            this.handshakes.clone(),
+        );
+        registry.register(
+            "ztunnel_hbone_pool_reused_streams",
+            "Streams carried on an existing pooled connection",
+            this.pool_reused.clone(),
+        );
+        registry.register(
+            "ztunnel_certificate_expiry_seconds",
+            "Expiry of each workload certificate (unix time)",
+            this.cert_expiry.clone(),
+        );
+        registry.register(
+            "ztunnel_active_connections",
+            "Connections being proxied now",
+            this.active.clone(),
+        );
+        *this
+            .registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = registry;
+        Arc::new(this)
+    }
+
+    /// Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let registry = self
+            .registry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = encode(&mut out, &registry);
+        out
+    }
+
+    /// Open connections right now.
+    pub fn active_connections(&self) -> i64 {
+        self.active.get()
+    }
+
+    /// Counts a denial.
+    pub fn deny(&self, policy: &str) {
+        self.denials
+            .get_or_create(&DenialLabels {
+                policy: policy.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a config reload.
+    pub fn reload(&self, accepted: bool) {
+        let result = if accepted { "accepted" } else { "rejected" };
+        self.reloads
+            .get_or_create(&ReloadLabels {
+                result: result.into(),
+            })
+            .inc();
+    }
+}
+
+/// Keeps `ztunnel_active_connections` honest: +1 now, -1 on drop.
+#[derive(Debug)]
+pub struct ActiveGuard(Arc<Metrics>);
+
+impl ActiveGuard {
+    /// Counts one active connection.
+    pub fn new(metrics: &Arc<Metrics>) -> Self {
+        metrics.active.inc();
+        Self(Arc::clone(metrics))
+    }
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.dec();
+    }
+}
+
+/// Orders loads of the active count (used by drain).
+pub fn active(metrics: &Metrics) -> i64 {
+    std::sync::atomic::fence(Ordering::Acquire);
+    metrics.active_connections()
+}
