@@ -112,6 +112,10 @@ pub struct WorkloadEntry {
     pub inbound: bool,
     /// `HBONE` (in the mesh) or `TCP` (outside it).
     pub protocol: &'static str,
+    /// Kubernetes namespace.
+    pub namespace: &'static str,
+    /// Extra YAML lines for the workload (e.g. `    labels: {app: web}`).
+    pub extra: &'static str,
 }
 
 impl WorkloadEntry {
@@ -124,6 +128,8 @@ impl WorkloadEntry {
             outbound: true,
             inbound: true,
             protocol: "HBONE",
+            namespace: "test",
+            extra: "",
         }
     }
 
@@ -154,11 +160,14 @@ pub fn write_config_with(
         let pod = cluster.pod(&e.pod);
         let _ = writeln!(
             yaml,
-            "  - uid: {}\n    name: {}\n    namespace: test\n    serviceAccount: {}\n    node: {}\n    ips: [{}, \"{}\"]",
-            e.pod, e.pod, e.pod, e.node, pod.ip, pod.ip6
+            "  - uid: {}\n    name: {}\n    namespace: {}\n    serviceAccount: {}\n    node: {}\n    ips: [{}, \"{}\"]",
+            e.pod, e.pod, e.namespace, e.pod, e.node, pod.ip, pod.ip6
         );
         if e.enrolled {
             let _ = writeln!(yaml, "    netns: {}", pod.netns_path().display());
+        }
+        if !e.extra.is_empty() {
+            let _ = writeln!(yaml, "{}", e.extra);
         }
         let _ = writeln!(
             yaml,

@@ -140,6 +140,20 @@ impl Ztunnel {
             .unwrap_or(0)
     }
 
+    /// HTTP GET from inside `netns` (e.g. the node's, for ztunnel's admin
+    /// ports); returns (status, body).
+    pub fn http_get(netns: &Path, cgroup_procs: &Path, addr: &str, path: &str) -> (u16, String) {
+        let mut cmd = command_in(netns, cgroup_procs, &crate::probe_bin());
+        cmd.args(["get", "--addr", addr, "--path", path]);
+        let done = PodProcess::spawn("http-get", cmd).wait(Duration::from_secs(20));
+        let (head, body) = done.stdout.split_once('\n').unwrap_or((&done.stdout, ""));
+        let status = head
+            .strip_prefix("STATUS ")
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (status, body.to_owned())
+    }
+
     /// The whole log so far.
     pub fn log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
@@ -175,6 +189,13 @@ impl Ztunnel {
             .count()
     }
 
+    /// Sends a signal without waiting.
+    pub fn signal(&self, signal: Signal) {
+        if let Some(p) = &self.process {
+            p.signal(signal);
+        }
+    }
+
     /// SIGKILL: no cleanup at all.
     pub fn kill(&mut self) {
         if let Some(p) = self.process.take() {
@@ -184,7 +205,8 @@ impl Ztunnel {
         }
     }
 
-    /// SIGTERM and wait for a clean exit (status 0).
+    /// SIGTERM (harmless if already sent) and wait for a clean exit
+    /// (status 0).
     pub fn stop(&mut self) {
         if let Some(p) = self.process.take() {
             p.signal(Signal::SIGTERM);

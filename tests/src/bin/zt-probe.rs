@@ -40,6 +40,13 @@ enum Io {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// HTTP/1.0 GET; prints `STATUS <code>` and then the body.
+    Get {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long, default_value = "/")]
+        path: String,
+    },
     /// Opens `count` connections one after another, exchanges one byte on
     /// each, prints `HELD <count>`, then keeps them open for `seconds`.
     Hold {
@@ -124,6 +131,7 @@ fn fill(buf: &mut [u8], offset: u64) {
 
 fn main() -> ExitCode {
     match Cli::parse().cmd {
+        Cmd::Get { addr, path } => get(addr, &path),
         Cmd::Hold {
             connect,
             count,
@@ -508,5 +516,27 @@ fn hold(addr: SocketAddr, count: usize, seconds: u64) -> ExitCode {
     println!("HELD {}", held.len());
     let _ = std::io::stdout().flush();
     std::thread::sleep(Duration::from_secs(seconds));
+    ExitCode::SUCCESS
+}
+
+fn get(addr: SocketAddr, path: &str) -> ExitCode {
+    let mut s = match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("CONNECT-ERROR {:?} {e}", e.kind());
+            return ExitCode::from(2);
+        }
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    let mut response = String::new();
+    if let Err(e) = s.read_to_string(&mut response) {
+        println!("READ-ERROR {e}");
+        return ExitCode::from(2);
+    }
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let code = head.split_whitespace().nth(1).unwrap_or("?");
+    println!("STATUS {code}");
+    print!("{body}");
     ExitCode::SUCCESS
 }
