@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod flows;
 pub mod kernel;
 pub mod netns;
+pub mod pattern;
 pub mod process;
 pub mod skip;
 pub mod sniff;
@@ -74,10 +75,14 @@ pub fn run_quiet(cmd: &mut Command) {
 /// Path of the test helper binary (client/server processes run in pods).
 pub fn probe_bin() -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    // Integration test binaries live in target/<profile>/deps; the helper
-    // binary in target/<profile>.
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let bin = dir.join("zt-probe");
+    // Integration test binaries live in target/<profile>/deps, the helper
+    // binaries (and the demo) in target/<profile>.
+    let dir = exe.parent().expect("exe dir");
+    let bin = if dir.ends_with("deps") {
+        dir.parent().expect("target dir").join("zt-probe")
+    } else {
+        dir.join("zt-probe")
+    };
     assert!(
         bin.is_file(),
         "{} missing: build the ztunnel-tests package's binaries",

@@ -129,6 +129,22 @@ impl PodProcess {
         }
     }
 
+    /// Like [`Self::read_line`], but `None` instead of a panic on timeout.
+    pub fn try_read_line(&mut self, limit: Duration) -> Option<String> {
+        let stdout = self.child.as_mut().and_then(|c| c.stdout.as_mut())?;
+        let fd = stdout.as_raw_fd();
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, bounded wait.
+        if unsafe { libc::poll(&raw mut pfd, 1, limit.as_millis() as i32) } <= 0 {
+            return None;
+        }
+        Some(self.read_line(limit))
+    }
+
     /// Reads one line from stdout, waiting at most `limit` (servers print a
     /// "ready" line once listening).
     pub fn read_line(&mut self, limit: Duration) -> String {

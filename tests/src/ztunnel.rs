@@ -189,6 +189,11 @@ impl Ztunnel {
             .count()
     }
 
+    /// The process id (0 once stopped).
+    pub fn pid(&self) -> u32 {
+        self.process.as_ref().map_or(0, PodProcess::pid)
+    }
+
     /// Sends a signal without waiting.
     pub fn signal(&self, signal: Signal) {
         if let Some(p) = &self.process {

@@ -4,7 +4,9 @@
 //!   kernel object, places it for `ztunnel-userspace` to embed.
 //! - `test`: the one test command (eBPF build, clippy, unit tests,
 //!   privileged integration tests one at a time, summary line).
+//! - `demo [--json] [--keep] [--clean]`: the main job for a new user.
 
+mod demo;
 mod ebpf;
 mod ebpf_artifact;
 mod test;
@@ -32,6 +34,9 @@ enum Cmd {
     },
     /// Run every check and test; ends with `N passed, N failed, N skipped`.
     Test(test::TestArgs),
+    /// Build everything, then run a two-node mesh in network namespaces and
+    /// show scripted flows (needs root).
+    Demo(demo::DemoArgs),
 }
 
 fn workspace_root() -> Result<PathBuf> {
@@ -48,5 +53,6 @@ fn main() -> Result<()> {
     match cli.command {
         Cmd::BuildEbpf { release } => ebpf::build(&root, release),
         Cmd::Test(args) => test::run(&root, &args),
+        Cmd::Demo(args) => demo::run(&root, &args),
     }
 }

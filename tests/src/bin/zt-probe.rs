@@ -120,14 +120,7 @@ impl Fnv {
     }
 }
 
-/// Deterministic payload: byte i is a function of i (not constant, so
-/// reordering or duplication changes the digest).
-fn fill(buf: &mut [u8], offset: u64) {
-    for (i, b) in buf.iter_mut().enumerate() {
-        let x = offset + i as u64;
-        *b = (x ^ (x >> 8) ^ (x >> 16)).wrapping_mul(31) as u8;
-    }
-}
+use ztunnel_tests::pattern::fill;
 
 fn main() -> ExitCode {
     match Cli::parse().cmd {
