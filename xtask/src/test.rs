@@ -166,6 +166,10 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         "unit tests",
     )?;
 
+    // The iptables backend's tests need the iptables commands; install them
+    // from Debian's packages when missing (saying so).
+    ensure_iptables();
+
     // The integration tests run the real `ztunnel` binary and the `zt-probe`
     // helper; build both first so a stale binary is never tested.
     check(
@@ -223,6 +227,31 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         tally.skipped += skipped.len() as u64;
     }
     finish(&tally)
+}
+
+/// Installs Debian's `iptables` package if `iptables` is not on PATH.
+pub fn ensure_iptables() {
+    let have = Command::new("iptables")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if have {
+        return;
+    }
+    eprintln!("xtask: installing the iptables package (apt-get) for the iptables capture backend");
+    let install = || {
+        Command::new("apt-get")
+            .args(["install", "-y", "-q", "iptables"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !install() {
+        let _ = Command::new("apt-get").args(["update", "-q"]).status();
+        if !install() {
+            eprintln!("xtask: could not install iptables; the iptables-backend tests will fail");
+        }
+    }
 }
 
 fn finish(tally: &Tally) -> Result<()> {

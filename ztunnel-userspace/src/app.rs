@@ -72,6 +72,8 @@ pub struct Settings {
     pub local_fastpath: bool,
     /// Admin, metrics and readiness addresses.
     pub admin: crate::admin::Addresses,
+    /// eBPF (default) or iptables capture.
+    pub capture: crate::capture::Backend,
     /// How long open connections may run after SIGTERM.
     pub drain_timeout: Duration,
 }
@@ -166,17 +168,24 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
 
     let pins = PinRoot::prepare(&settings.bpffs)?;
     let mut programs = loader::load(&pins).map_err(Box::new)?;
-    let attached =
-        capture::cgroup::attach(&mut programs.ebpf, &pins, &cgroup_dir, settings.sockmap)
+    if settings.capture == capture::Backend::Ebpf {
+        let attached =
+            capture::cgroup::attach(&mut programs.ebpf, &pins, &cgroup_dir, settings.sockmap)
+                .map_err(Box::new)?;
+        capture::maps::set_exclusions(&mut programs.ebpf, &settings.exclusions)
             .map_err(Box::new)?;
-    capture::maps::set_exclusions(&mut programs.ebpf, &settings.exclusions).map_err(Box::new)?;
-    tracing::info!(
-        cgroup = %attached.cgroup.display(),
-        took_over = attached.took_over,
-        sockmap = settings.sockmap,
-        tc_mode = ?settings.tc_mode.resolve(),
-        "capture programs attached"
-    );
+        tracing::info!(
+            cgroup = %attached.cgroup.display(),
+            took_over = attached.took_over,
+            sockmap = settings.sockmap,
+            tc_mode = ?settings.tc_mode.resolve(),
+            "capture programs attached"
+        );
+    } else {
+        // The programs are loaded (their maps back the counters and the
+        // dump) but nothing is attached: pods get iptables rules instead.
+        tracing::info!("capture backend: iptables (REDIRECT rules in each pod)");
+    }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(settings.worker_threads.max(1))
@@ -190,6 +199,8 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
             settings.tc_mode,
             runtime.handle().clone(),
             shared,
+            settings.capture,
+            settings.exclusions.clone(),
         )
         .map_err(Box::new)?,
     );

@@ -67,6 +67,11 @@ struct RunArgs {
     /// unaffected). See docs/sockmap.md.
     #[arg(long, env = "ZTUNNEL_SOCKMAP", value_enum, default_value_t = OnOff::Off)]
     sockmap: OnOff,
+    /// How pods' traffic is captured: the eBPF programs, or iptables
+    /// REDIRECT rules inside each pod (the Istio-style fallback and the
+    /// benchmark's baseline; needs the iptables commands).
+    #[arg(long, env = "ZTUNNEL_CAPTURE", value_enum, default_value_t = capture::Backend::Ebpf)]
+    capture: capture::Backend,
     /// How to attach TC programs: tcx links (>= 6.6) or clsact filters.
     #[arg(long, env = "ZTUNNEL_TC_MODE", value_enum, default_value_t = capture::tc::TcMode::Auto)]
     tc_mode: capture::tc::TcMode,
@@ -287,6 +292,7 @@ fn settings(args: RunArgs) -> app::Settings {
             readiness: args.readiness_addr,
         },
         drain_timeout: Duration::from_secs(args.drain_timeout),
+        capture: args.capture,
     }
 }
 

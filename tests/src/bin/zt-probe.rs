@@ -40,6 +40,40 @@ enum Io {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Request/response latency on one persistent connection to an echo
+    /// server: `count` requests of `size` bytes, optionally paced at `rate`
+    /// per second. Prints `RR count=N rps=R p50_us=A p99_us=B p999_us=C`
+    /// (half round trips, like sockperf).
+    Rr {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 10000)]
+        count: usize,
+        #[arg(long, default_value_t = 1024)]
+        size: usize,
+        #[arg(long)]
+        rate: Option<u64>,
+    },
+    /// Bulk send to a sink for `seconds` on `streams` connections; prints
+    /// `BULK gbps=X bytes=N`.
+    Bulk {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 4)]
+        seconds: u64,
+        #[arg(long, default_value_t = 1)]
+        streams: usize,
+    },
+    /// New connections per second, each carrying one 64-byte echo, from
+    /// `workers` threads for `seconds`; prints `CONN per_s=X`.
+    Connrate {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 4)]
+        seconds: u64,
+        #[arg(long, default_value_t = 4)]
+        workers: usize,
+    },
     /// HTTP/1.0 GET; prints `STATUS <code>` and then the body.
     Get {
         #[arg(long)]
@@ -124,6 +158,22 @@ use ztunnel_tests::pattern::fill;
 
 fn main() -> ExitCode {
     match Cli::parse().cmd {
+        Cmd::Rr {
+            connect,
+            count,
+            size,
+            rate,
+        } => rr(connect, count, size, rate),
+        Cmd::Bulk {
+            connect,
+            seconds,
+            streams,
+        } => bulk(connect, seconds, streams),
+        Cmd::Connrate {
+            connect,
+            seconds,
+            workers,
+        } => connrate(connect, seconds, workers),
         Cmd::Get { addr, path } => get(addr, &path),
         Cmd::Hold {
             connect,
@@ -531,5 +581,119 @@ fn get(addr: SocketAddr, path: &str) -> ExitCode {
     let code = head.split_whitespace().nth(1).unwrap_or("?");
     println!("STATUS {code}");
     print!("{body}");
+    ExitCode::SUCCESS
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+fn rr(addr: SocketAddr, count: usize, size: usize, rate: Option<u64>) -> ExitCode {
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(10)) else {
+        println!("CONNECT-ERROR");
+        return ExitCode::from(2);
+    };
+    let _ = s.set_nodelay(true);
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let req = vec![7u8; size];
+    let mut resp = vec![0u8; size];
+    let mut samples = Vec::with_capacity(count);
+    let interval = rate.map(|r| Duration::from_secs_f64(1.0 / r.max(1) as f64));
+    let start = std::time::Instant::now();
+    for i in 0..count {
+        if let Some(iv) = interval {
+            let due = start + iv * i as u32;
+            let now = std::time::Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+        }
+        let t = std::time::Instant::now();
+        if s.write_all(&req).is_err() || s.read_exact(&mut resp).is_err() {
+            println!("RR-ERROR at {i}");
+            return ExitCode::from(2);
+        }
+        samples.push(t.elapsed().as_nanos() as u64 / 2);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    samples.sort_unstable();
+    println!(
+        "RR count={count} rps={:.0} p50_us={:.1} p99_us={:.1} p999_us={:.1}",
+        count as f64 / elapsed,
+        percentile(&samples, 0.50) as f64 / 1000.0,
+        percentile(&samples, 0.99) as f64 / 1000.0,
+        percentile(&samples, 0.999) as f64 / 1000.0
+    );
+    ExitCode::SUCCESS
+}
+
+fn bulk(addr: SocketAddr, seconds: u64, streams: usize) -> ExitCode {
+    let deadline = std::time::Instant::now() + Duration::from_secs(seconds);
+    let start = std::time::Instant::now();
+    let handles: Vec<_> = (0..streams.max(1))
+        .map(|_| {
+            std::thread::spawn(move || -> u64 {
+                let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(10)) else {
+                    return 0;
+                };
+                let buf = vec![1u8; 256 * 1024];
+                let mut sent = 0u64;
+                while std::time::Instant::now() < deadline {
+                    match s.write(&buf) {
+                        Ok(n) => sent += n as u64,
+                        Err(_) => break,
+                    }
+                }
+                let _ = s.shutdown(Shutdown::Write);
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+                sent
+            })
+        })
+        .collect();
+    let total: u64 = handles.into_iter().map(|h| h.join().unwrap_or(0)).sum();
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "BULK gbps={:.3} bytes={total}",
+        total as f64 * 8.0 / secs / 1e9
+    );
+    ExitCode::SUCCESS
+}
+
+fn connrate(addr: SocketAddr, seconds: u64, workers: usize) -> ExitCode {
+    let deadline = std::time::Instant::now() + Duration::from_secs(seconds);
+    let start = std::time::Instant::now();
+    let handles: Vec<_> = (0..workers.max(1))
+        .map(|_| {
+            std::thread::spawn(move || -> (u64, u64) {
+                let (mut ok, mut failed) = (0u64, 0u64);
+                let msg = [5u8; 64];
+                while std::time::Instant::now() < deadline {
+                    let one = (|| -> std::io::Result<()> {
+                        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+                        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+                        s.write_all(&msg)?;
+                        let mut back = [0u8; 64];
+                        s.read_exact(&mut back)?;
+                        Ok(())
+                    })();
+                    if one.is_ok() { ok += 1 } else { failed += 1 }
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    let (ok, failed) = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or((0, 0)))
+        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    println!(
+        "CONN per_s={:.0} ok={ok} failed={failed}",
+        ok as f64 / start.elapsed().as_secs_f64()
+    );
     ExitCode::SUCCESS
 }

@@ -150,6 +150,11 @@ pub fn remove_pod(ebpf: &mut Ebpf, netns_cookie: u64) -> Result<(), CaptureError
         HashMap::try_from(map).map_err(|e| map_err(MAP_POD_CAPTURE, e))?;
     match map.remove(&netns_cookie) {
         Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.kind() == std::io::ErrorKind::NotFound =>
+        {
+            Ok(())
+        }
         Err(e) => Err(map_err(MAP_POD_CAPTURE, e)),
     }
 }

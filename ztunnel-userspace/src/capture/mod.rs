@@ -9,10 +9,22 @@
 
 pub mod cgroup;
 pub mod counters;
+pub mod iptables;
 pub mod maps;
 pub mod tc;
 
 use std::{io, path::PathBuf};
+
+/// Which mechanism steers pods' traffic to ztunnel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Backend {
+    /// The eBPF programs (the product).
+    #[default]
+    Ebpf,
+    /// iptables REDIRECT rules inside each pod (fallback and benchmark
+    /// baseline).
+    Iptables,
+}
 
 /// Errors of capture management; each names the object at fault.
 #[derive(Debug, thiserror::Error)]

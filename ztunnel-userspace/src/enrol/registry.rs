@@ -143,6 +143,8 @@ pub struct PodRegistry {
     pods: Mutex<BTreeMap<String, EnrolledPod>>,
     runtime: tokio::runtime::Handle,
     shared: Shared,
+    backend: crate::capture::Backend,
+    exclusions: crate::capture::maps::Exclusions,
 }
 
 impl std::fmt::Debug for PodRegistry {
@@ -159,6 +161,8 @@ impl PodRegistry {
         tc_mode: TcMode,
         runtime: tokio::runtime::Handle,
         shared: Shared,
+        backend: crate::capture::Backend,
+        exclusions: crate::capture::maps::Exclusions,
     ) -> Result<Self, CaptureError> {
         let orig_dst = OrigDstTable::take(&mut programs.ebpf)?;
         Ok(Self {
@@ -169,6 +173,8 @@ impl PodRegistry {
             pods: Mutex::new(BTreeMap::new()),
             runtime,
             shared,
+            backend,
+            exclusions,
         })
     }
 
@@ -220,7 +226,18 @@ impl PodRegistry {
         if req.capture.inbound {
             flags |= POD_CAPTURE_INBOUND;
         }
-        let ingress = {
+        let iptables = self.backend == crate::capture::Backend::Iptables;
+        if iptables {
+            crate::capture::iptables::install(&req.netns, &self.exclusions).map_err(|e| {
+                EnrolError::Io {
+                    uid: uid.clone(),
+                    source: std::io::Error::other(e),
+                }
+            })?;
+        }
+        let ingress = if iptables {
+            None
+        } else {
             let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
             let ingress = if req.capture.inbound {
                 Some(
@@ -255,6 +272,7 @@ impl PodRegistry {
             ips,
             netns_cookie: cookie,
             sockets,
+            orig_dst_sockopt: iptables,
         };
         let tasks = self.spawn_listeners(&context, listeners)?;
         if let Some(local) = &self.shared.local_pods
@@ -372,6 +390,11 @@ impl PodRegistry {
         }
         if let Some(ingress) = &pod.ingress {
             tc::detach(&pod.netns, ingress).map_err(capture_err)?;
+        }
+        if self.backend == crate::capture::Backend::Iptables
+            && let Err(e) = crate::capture::iptables::remove(&pod.netns)
+        {
+            tracing::warn!(pod = %uid, error = %e, "could not remove iptables rules");
         }
         if let Err(e) = pod_routing::remove(&pod.netns) {
             tracing::warn!(pod = %uid, error = %e, "could not remove reply routing");

@@ -25,6 +25,8 @@ pub struct InboundContext {
     pub sockets: SocketFactory,
     /// State, metrics.
     pub shared: super::Shared,
+    /// Original destinations from `SO_ORIGINAL_DST` (iptables backend).
+    pub orig_dst_sockopt: bool,
 }
 
 impl InboundContext {
@@ -35,6 +37,7 @@ impl InboundContext {
             identity: pod.identity.clone(),
             sockets: pod.sockets.clone(),
             shared: shared.clone(),
+            orig_dst_sockopt: pod.orig_dst_sockopt,
         }
     }
 }
@@ -56,7 +59,14 @@ pub async fn serve_plaintext(listener: TcpListener, ctx: InboundContext) {
                 continue;
             }
         };
-        let dst = stream.local_addr();
+        // eBPF capture: the socket was assigned with the original 4-tuple,
+        // so its local address is the destination. iptables: REDIRECT
+        // rewrote it; ask conntrack.
+        let dst = if ctx.orig_dst_sockopt {
+            crate::capture::iptables::original_dst(&stream, client.is_ipv6())
+        } else {
+            stream.local_addr()
+        };
         let id = next_connection_id();
         let span = tracing::info_span!("conn", id, pod = %ctx.pod, direction = "inbound", src = %client, dst = tracing::field::Empty);
         let ctx = ctx.clone();

@@ -69,6 +69,9 @@ pub struct PodContext {
     pub netns_cookie: u64,
     /// Creates ztunnel's sockets inside the pod.
     pub sockets: socket_factory::SocketFactory,
+    /// Original destinations come from `SO_ORIGINAL_DST` (iptables
+    /// backend) instead of the kernel programs' maps.
+    pub orig_dst_sockopt: bool,
 }
 
 impl PodContext {

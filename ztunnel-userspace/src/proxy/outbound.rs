@@ -48,11 +48,14 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
                 continue;
             }
         };
-        let orig = ctx
-            .orig_dst
-            .lock()
-            .ok()
-            .and_then(|mut table| table.take_entry(ctx.pod.netns_cookie, client));
+        let orig = if ctx.pod.orig_dst_sockopt {
+            crate::capture::iptables::original_dst(&stream, client.is_ipv6()).ok()
+        } else {
+            ctx.orig_dst
+                .lock()
+                .ok()
+                .and_then(|mut table| table.take_entry(ctx.pod.netns_cookie, client))
+        };
         let id = next_connection_id();
         let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", src = %client, dst = tracing::field::Empty);
         let ctx = ctx.clone();
