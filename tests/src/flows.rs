@@ -9,8 +9,17 @@ use crate::{
 
 /// Starts an echo (or digest) server in `pod` on `addr` and waits for it.
 pub fn server(pod: &Pod, addr: SocketAddr, mode: &str) -> PodProcess {
+    server_with(pod, addr, mode, false)
+}
+
+/// Like [`server`]; `quiet` servers print no line per connection (for load
+/// tests, where nobody reads them).
+pub fn server_with(pod: &Pod, addr: SocketAddr, mode: &str, quiet: bool) -> PodProcess {
     let mut cmd = pod.command(&probe_bin());
     cmd.args(["server", "--listen", &addr.to_string(), "--mode", mode]);
+    if quiet {
+        cmd.arg("--quiet");
+    }
     let mut p = PodProcess::spawn(&format!("server-{}-{addr}", pod.name), cmd);
     let ready = p.read_line(Duration::from_secs(10));
     assert!(ready.starts_with("READY"), "{ready}");

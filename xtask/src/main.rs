@@ -5,7 +5,9 @@
 //! - `test`: the one test command (eBPF build, clippy, unit tests,
 //!   privileged integration tests one at a time, summary line).
 //! - `demo [--json] [--keep] [--clean]`: the main job for a new user.
+//! - `bench [--quick] [--json] [--runs N]`: the benchmark.
 
+mod bench;
 mod demo;
 mod ebpf;
 mod ebpf_artifact;
@@ -37,6 +39,8 @@ enum Cmd {
     /// Build everything, then run a two-node mesh in network namespaces and
     /// show scripted flows (needs root).
     Demo(demo::DemoArgs),
+    /// Measure direct vs eBPF capture (sockmap on/off) vs iptables capture.
+    Bench(bench::BenchArgs),
 }
 
 fn workspace_root() -> Result<PathBuf> {
@@ -54,5 +58,6 @@ fn main() -> Result<()> {
         Cmd::BuildEbpf { release } => ebpf::build(&root, release),
         Cmd::Test(args) => test::run(&root, &args),
         Cmd::Demo(args) => demo::run(&root, &args),
+        Cmd::Bench(args) => bench::run(&root, &args),
     }
 }

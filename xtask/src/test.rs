@@ -2,7 +2,7 @@
 //!
 //! Steps, in order: build the eBPF object; `cargo fmt --check`; `cargo
 //! clippy --all-targets -D warnings`; unit tests; then the privileged
-//! integration tests in `tests/`, one at a time (`--test-threads=1`: they
+//! integration tests in `tests/`, one at a time, and `bench --quick` (`--test-threads=1`: they
 //! share kernel state). Every step's outcome is counted, and the last line
 //! printed is `N passed, N failed, N skipped`. A privileged test that skips
 //! (only allowed outside root) is counted as skipped, and with `CI=true` as
@@ -209,6 +209,16 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         &mut tally,
         "integration tests",
     )?;
+    // The benchmark's smoke run: every scenario measured once, briefly.
+    if args.filter.is_none() {
+        check(
+            workspace,
+            "bench --quick",
+            &["run", "--quiet", "-p", "xtask", "--", "bench", "--quick"],
+            &mut tally,
+        )?;
+    }
+
     let skipped: Vec<String> = std::fs::read_to_string(&skip_log)
         .unwrap_or_default()
         .lines()

@@ -104,10 +104,27 @@ fn raise_memlock() {
     }
 }
 
+/// Raises `RLIMIT_NOFILE` to its hard limit: every proxied connection
+/// holds two or three sockets.
+pub fn raise_nofile() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &raw const lim);
+        }
+    }
+}
+
 /// Probes the kernel and loads every program, with maps pinned under `pins`.
 pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
     probe::check_kernel()?;
     raise_memlock();
+    raise_nofile();
     let mut ebpf = EbpfLoader::new()
         .default_map_pin_directory(pins.maps())
         .load(EBPF_OBJECT)?;

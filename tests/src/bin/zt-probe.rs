@@ -109,6 +109,10 @@ enum Cmd {
         listen: SocketAddr,
         #[arg(long, value_enum, default_value_t = Mode::Echo)]
         mode: Mode,
+        /// Do not print a line per connection (load tests: nobody reads
+        /// them, and a full pipe would stall the server).
+        #[arg(long)]
+        quiet: bool,
     },
     Client {
         #[arg(long)]
@@ -186,7 +190,11 @@ fn main() -> ExitCode {
             bytes,
             payload,
         } => burst(connect, count, bytes, payload.as_deref()),
-        Cmd::Server { listen, mode } => server(listen, mode),
+        Cmd::Server {
+            listen,
+            mode,
+            quiet,
+        } => server(listen, mode, quiet),
         Cmd::Client {
             connect,
             bytes,
@@ -212,7 +220,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn server(listen: SocketAddr, mode: Mode) -> ExitCode {
+fn server(listen: SocketAddr, mode: Mode, quiet: bool) -> ExitCode {
     let listener = match TcpListener::bind(listen) {
         Ok(l) => l,
         Err(e) => {
@@ -232,8 +240,10 @@ fn server(listen: SocketAddr, mode: Mode) -> ExitCode {
             .local_addr()
             .map(|a| a.to_string())
             .unwrap_or_default();
-        println!("ACCEPT peer={peer} local={local}");
-        let _ = std::io::stdout().flush();
+        if !quiet {
+            println!("ACCEPT peer={peer} local={local}");
+            let _ = std::io::stdout().flush();
+        }
         std::thread::spawn(move || serve(stream, mode));
     }
     ExitCode::SUCCESS
@@ -538,6 +548,12 @@ fn socks_connect(
 }
 
 fn hold(addr: SocketAddr, count: usize, seconds: u64) -> ExitCode {
+    let lim = libc::rlimit {
+        rlim_cur: 65536,
+        rlim_max: 65536,
+    };
+    // SAFETY: plain setrlimit with a valid struct (room for many sockets).
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const lim) };
     let mut held = Vec::with_capacity(count);
     for i in 0..count {
         let attempt = (|| -> std::io::Result<TcpStream> {
