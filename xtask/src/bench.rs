@@ -44,7 +44,7 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
     if !status.success() {
         bail!("building ztunnel failed");
     }
-    let bench = target_dir(workspace).join("debug").join("zt-bench");
+    let bench = target_dir(workspace).join("release").join("zt-bench");
     let mut cmd = Command::new(&bench);
     cmd.arg("--runs").arg(args.runs.to_string());
     if args.quick {
