@@ -8,8 +8,6 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::ebpf_artifact::target_dir;
-
 /// Options of `cargo xtask bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -26,25 +24,9 @@ pub struct BenchArgs {
 
 /// Builds and runs the benchmark.
 pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
-    crate::ebpf::build(workspace, true)?;
     crate::test::ensure_iptables();
-    let status = Command::new("cargo")
-        .current_dir(workspace)
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "ztunnel-userspace",
-            "-p",
-            "ztunnel-tests",
-            "--bins",
-        ])
-        .status()
-        .context("could not run cargo build")?;
-    if !status.success() {
-        bail!("building ztunnel failed");
-    }
-    let bench = target_dir(workspace).join("release").join("zt-bench");
+    // Release: the figures must describe the optimised proxy.
+    let bench = crate::binaries::build(workspace, true)?.join("zt-bench");
     let mut cmd = Command::new(&bench);
     cmd.arg("--runs").arg(args.runs.to_string());
     if args.quick {

@@ -7,8 +7,6 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::ebpf_artifact::target_dir;
-
 /// Options of `cargo xtask demo`.
 #[derive(clap::Args)]
 pub struct DemoArgs {
@@ -30,25 +28,7 @@ pub fn run(workspace: &Path, args: &DemoArgs) -> Result<()> {
             "the demo needs root: it creates network namespaces and cgroups and loads eBPF programs (try sudo)"
         );
     }
-    crate::ebpf::build(workspace, true)?;
-    eprintln!("xtask: building ztunnel and the demo programs");
-    let status = Command::new("cargo")
-        .current_dir(workspace)
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "ztunnel-userspace",
-            "-p",
-            "ztunnel-tests",
-            "--bins",
-        ])
-        .status()
-        .context("could not run cargo build")?;
-    if !status.success() {
-        bail!("building ztunnel failed");
-    }
-    let demo = target_dir(workspace).join("debug").join("zt-demo");
+    let demo = crate::binaries::build(workspace, false)?.join("zt-demo");
     let mut cmd = Command::new(&demo);
     for (on, flag) in [
         (args.json, "--json"),

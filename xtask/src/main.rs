@@ -8,6 +8,7 @@
 //! - `bench [--quick] [--json] [--runs N]`: the benchmark.
 
 mod bench;
+mod binaries;
 mod demo;
 mod ebpf;
 mod ebpf_artifact;

@@ -164,6 +164,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         pool: Arc::new(HbonePool::new(certs, settings.pool_idle_timeout)),
         local_pods: settings.local_fastpath.then(Default::default),
         metrics: crate::telemetry::Metrics::new(),
+        draining: Arc::new(tokio::sync::watch::channel(false).0),
     };
 
     let pins = PinRoot::prepare(&settings.bpffs)?;
@@ -266,6 +267,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     // deadline; a second signal exits at once.
     crate::admin::set_ready(&ready, false);
     registry.stop_listeners();
+    registry.shared().draining.send_replace(true);
     tracing::info!(
         deadline_s = settings.drain_timeout.as_secs(),
         active = metrics.active_connections(),

@@ -151,35 +151,28 @@ impl HbonePool {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             Arc::clone(slots.entry(key.clone()).or_default())
         };
-        // Holding the slot while a handshake runs is what makes a burst of
-        // openers wait for one connection instead of opening one each.
-        let conn = {
-            let mut conns = slot.lock().await;
-            conns.retain(|c| !c.closed.load(Ordering::Acquire));
-            let found = conns
-                .iter()
-                .find(|c| c.streams.load(Ordering::Acquire) < CLIENT_MAX_STREAMS)
-                .cloned();
-            let conn = if let Some(conn) = found {
-                self.reused.fetch_add(1, Ordering::Relaxed);
-                conn
-            } else {
-                let conn = self.open(&key, sockets).await?;
-                conns.push(Arc::clone(&conn));
-                conn
-            };
-            conn.streams.fetch_add(1, Ordering::AcqRel);
-            conn
-        };
-        let guard = StreamGuard(Arc::clone(&conn));
         let h2_err = |source| HboneError::H2 {
             peer: key.dst,
             source,
         };
-        let mut send = conn.send.clone().ready().await.map_err(|e| {
-            conn.closed.store(true, Ordering::Release);
-            h2_err(e)
-        })?;
+        // A pooled connection may have been closed by the peer (GOAWAY on
+        // drain, an idle timeout) since we last looked: then it is dropped
+        // from the pool and the stream is tried once more on a fresh one.
+        let mut attempt = 0;
+        let (conn, guard, mut send) = loop {
+            attempt += 1;
+            let conn = self.pick(&slot, &key, sockets).await?;
+            let guard = StreamGuard(Arc::clone(&conn));
+            match conn.send.clone().ready().await {
+                Ok(send) => break (conn, guard, send),
+                Err(e) => {
+                    conn.closed.store(true, Ordering::Release);
+                    if attempt >= 2 {
+                        return Err(h2_err(e));
+                    }
+                }
+            }
+        };
         let request = Request::builder()
             .method(Method::CONNECT)
             .uri(target.to_string())
@@ -200,6 +193,33 @@ impl HbonePool {
             connection: conn.id,
             _guard: guard,
         })
+    }
+
+    /// A connection of `slot` with room for a stream, opening one if none
+    /// has. Holding the slot while a handshake runs is what makes a burst
+    /// of openers wait for one connection instead of opening one each.
+    async fn pick(
+        &self,
+        slot: &Slot,
+        key: &PoolKey,
+        sockets: &SocketFactory,
+    ) -> Result<Arc<PooledConn>, HboneError> {
+        let mut conns = slot.lock().await;
+        conns.retain(|c| !c.closed.load(Ordering::Acquire));
+        let found = conns
+            .iter()
+            .find(|c| c.streams.load(Ordering::Acquire) < CLIENT_MAX_STREAMS)
+            .cloned();
+        let conn = if let Some(conn) = found {
+            self.reused.fetch_add(1, Ordering::Relaxed);
+            conn
+        } else {
+            let conn = self.open(key, sockets).await?;
+            conns.push(Arc::clone(&conn));
+            conn
+        };
+        conn.streams.fetch_add(1, Ordering::AcqRel);
+        Ok(conn)
     }
 
     async fn open(

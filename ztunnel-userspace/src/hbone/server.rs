@@ -101,7 +101,22 @@ async fn connection(
         .await
         .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
     tracing::debug!(pod = %server.pod, %peer, peer_identity = %peer_identity, "HBONE connection accepted");
-    while let Some(next) = h2.accept().await {
+    let mut draining = server.shared.draining.subscribe();
+    let mut goaway_sent = false;
+    loop {
+        let next = tokio::select! {
+            next = h2.accept() => next,
+            // Drain: tell the peer (GOAWAY) to open no new streams here; the
+            // open ones finish while the connection keeps being polled.
+            changed = draining.changed(), if !goaway_sent => {
+                if changed.is_ok() && *draining.borrow() {
+                    h2.graceful_shutdown();
+                    goaway_sent = true;
+                }
+                continue;
+            }
+        };
+        let Some(next) = next else { break };
         let (request, respond) = next.map_err(|e| format!("HTTP/2: {e}"))?;
         let id = next_connection_id();
         let span = tracing::info_span!("conn", id, pod = %server.pod, direction = "inbound", src = %peer, src_identity = %peer_identity, dst = tracing::field::Empty);

@@ -43,6 +43,8 @@ pub struct Shared {
     pub pool: Arc<HbonePool>,
     /// Metrics.
     pub metrics: Arc<crate::telemetry::Metrics>,
+    /// Set to `true` when draining starts (HBONE servers send GOAWAY).
+    pub draining: Arc<tokio::sync::watch::Sender<bool>>,
     /// Pods enrolled on this node by IP, for the same-node fast path
     /// (`None` when the fast path is off).
     pub local_pods: Option<Arc<std::sync::RwLock<HashMap<IpAddr, PodContext>>>>,
