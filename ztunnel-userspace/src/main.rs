@@ -51,7 +51,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// cgroup v2 directory to attach the connect/sock_ops programs to.
+    /// cgroup v2 directory to attach the connect, getpeername and sock_ops
+    /// programs to.
     /// Default: the root of the cgroup v2 hierarchy (from /proc/self/mounts).
     /// Tests pass a cgroup they created; production may use the root.
     #[arg(long, env = "ZTUNNEL_CGROUP")]

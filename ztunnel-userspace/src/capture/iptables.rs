@@ -54,179 +54,74 @@ fn run(tool: &str, args: &[String]) -> Result<(), String> {
     }
 }
 
+/// One nat-table command line, from words separated by spaces.
+fn nat(line: &str) -> Vec<String> {
+    std::iter::once("-t")
+        .chain(std::iter::once("nat"))
+        .chain(line.split_whitespace())
+        .map(str::to_owned)
+        .collect()
+}
+
 fn rules(v6: bool, ex: &Exclusions) -> Vec<Vec<String>> {
-    let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<String>>();
     let loopback = if v6 { "::1/128" } else { "127.0.0.0/8" };
-    let mark = format!("{ZTUNNEL_MARK:#x}/{ZTUNNEL_MARK_MASK:#x}");
     let mut out = vec![
-        s(&["-t", "nat", "-N", "ZTUNNEL_OUTPUT"]),
-        s(&["-t", "nat", "-N", "ZTUNNEL_PREROUTING"]),
-        s(&[
-            "-t",
-            "nat",
-            "-A",
-            "ZTUNNEL_OUTPUT",
-            "-m",
-            "mark",
-            "--mark",
-            &mark,
-            "-j",
-            "RETURN",
-        ]),
-        s(&[
-            "-t",
-            "nat",
-            "-A",
-            "ZTUNNEL_OUTPUT",
-            "-d",
-            loopback,
-            "-j",
-            "RETURN",
-        ]),
+        nat("-N ZTUNNEL_OUTPUT"),
+        nat("-N ZTUNNEL_PREROUTING"),
+        nat(&format!(
+            "-A ZTUNNEL_OUTPUT -m mark --mark {ZTUNNEL_MARK:#x}/{ZTUNNEL_MARK_MASK:#x} -j RETURN"
+        )),
+        nat(&format!("-A ZTUNNEL_OUTPUT -d {loopback} -j RETURN")),
     ];
-    for port in &ex.outbound_ports {
-        out.push(s(&[
-            "-t",
-            "nat",
-            "-A",
-            "ZTUNNEL_OUTPUT",
-            "-p",
-            "tcp",
-            "--dport",
-            &port.to_string(),
-            "-j",
-            "RETURN",
-        ]));
-    }
-    for cidr in ex.outbound_cidrs.iter().filter(|c| c.addr.is_ipv6() == v6) {
-        out.push(s(&[
-            "-t",
-            "nat",
-            "-A",
-            "ZTUNNEL_OUTPUT",
-            "-d",
-            &cidr.to_string(),
-            "-j",
-            "RETURN",
-        ]));
-    }
-    out.push(s(&[
-        "-t",
-        "nat",
-        "-A",
-        "ZTUNNEL_OUTPUT",
-        "-p",
-        "tcp",
-        "-j",
-        "REDIRECT",
-        "--to-ports",
-        &OUTBOUND_PORT.to_string(),
-    ]));
-    out.push(s(&[
-        "-t",
-        "nat",
-        "-A",
-        "ZTUNNEL_PREROUTING",
-        "-p",
-        "tcp",
-        "--dport",
-        &INBOUND_HBONE_PORT.to_string(),
-        "-j",
-        "RETURN",
-    ]));
-    for port in &ex.inbound_ports {
-        out.push(s(&[
-            "-t",
-            "nat",
-            "-A",
-            "ZTUNNEL_PREROUTING",
-            "-p",
-            "tcp",
-            "--dport",
-            &port.to_string(),
-            "-j",
-            "RETURN",
-        ]));
-    }
-    for cidr in ex.inbound_cidrs.iter().filter(|c| c.addr.is_ipv6() == v6) {
-        out.push(s(&[
-            "-t",
-            "nat",
-            "-A",
-            "ZTUNNEL_PREROUTING",
-            "-s",
-            &cidr.to_string(),
-            "-j",
-            "RETURN",
-        ]));
-    }
-    out.push(s(&[
-        "-t",
-        "nat",
-        "-A",
-        "ZTUNNEL_PREROUTING",
-        "-p",
-        "tcp",
-        "-j",
-        "REDIRECT",
-        "--to-ports",
-        &INBOUND_PLAINTEXT_PORT.to_string(),
-    ]));
-    out.push(s(&[
-        "-t",
-        "nat",
-        "-A",
-        "OUTPUT",
-        "-p",
-        "tcp",
-        "-j",
-        "ZTUNNEL_OUTPUT",
-    ]));
-    out.push(s(&[
-        "-t",
-        "nat",
-        "-A",
-        "PREROUTING",
-        "-i",
-        "eth0",
-        "-p",
-        "tcp",
-        "-j",
-        "ZTUNNEL_PREROUTING",
-    ]));
+    let family = |c: &&super::maps::Cidr| c.addr.is_ipv6() == v6;
+    out.extend(
+        ex.outbound_ports
+            .iter()
+            .map(|p| nat(&format!("-A ZTUNNEL_OUTPUT -p tcp --dport {p} -j RETURN"))),
+    );
+    out.extend(
+        ex.outbound_cidrs
+            .iter()
+            .filter(family)
+            .map(|c| nat(&format!("-A ZTUNNEL_OUTPUT -d {c} -j RETURN"))),
+    );
+    out.push(nat(&format!(
+        "-A ZTUNNEL_OUTPUT -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}"
+    )));
+    out.push(nat(&format!(
+        "-A ZTUNNEL_PREROUTING -p tcp --dport {INBOUND_HBONE_PORT} -j RETURN"
+    )));
+    out.extend(ex.inbound_ports.iter().map(|p| {
+        nat(&format!(
+            "-A ZTUNNEL_PREROUTING -p tcp --dport {p} -j RETURN"
+        ))
+    }));
+    out.extend(
+        ex.inbound_cidrs
+            .iter()
+            .filter(family)
+            .map(|c| nat(&format!("-A ZTUNNEL_PREROUTING -s {c} -j RETURN"))),
+    );
+    out.push(nat(&format!(
+        "-A ZTUNNEL_PREROUTING -p tcp -j REDIRECT --to-ports {INBOUND_PLAINTEXT_PORT}"
+    )));
+    out.push(nat("-A OUTPUT -p tcp -j ZTUNNEL_OUTPUT"));
+    out.push(nat("-A PREROUTING -i eth0 -p tcp -j ZTUNNEL_PREROUTING"));
     out
 }
 
 fn teardown_rules() -> Vec<Vec<String>> {
-    let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<String>>();
-    vec![
-        s(&[
-            "-t",
-            "nat",
-            "-D",
-            "OUTPUT",
-            "-p",
-            "tcp",
-            "-j",
-            "ZTUNNEL_OUTPUT",
-        ]),
-        s(&[
-            "-t",
-            "nat",
-            "-D",
-            "PREROUTING",
-            "-i",
-            "eth0",
-            "-p",
-            "tcp",
-            "-j",
-            "ZTUNNEL_PREROUTING",
-        ]),
-        s(&["-t", "nat", "-F", "ZTUNNEL_OUTPUT"]),
-        s(&["-t", "nat", "-X", "ZTUNNEL_OUTPUT"]),
-        s(&["-t", "nat", "-F", "ZTUNNEL_PREROUTING"]),
-        s(&["-t", "nat", "-X", "ZTUNNEL_PREROUTING"]),
+    [
+        "-D OUTPUT -p tcp -j ZTUNNEL_OUTPUT",
+        "-D PREROUTING -i eth0 -p tcp -j ZTUNNEL_PREROUTING",
+        "-F ZTUNNEL_OUTPUT",
+        "-X ZTUNNEL_OUTPUT",
+        "-F ZTUNNEL_PREROUTING",
+        "-X ZTUNNEL_PREROUTING",
     ]
+    .into_iter()
+    .map(nat)
+    .collect()
 }
 
 /// Installs the capture rules in `netns` (removing ours first, so it is

@@ -21,12 +21,11 @@ use http::{Method, Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument as _;
-use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
 
 use super::{CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW};
 use crate::{
     identity::{Identity, identity_of},
-    proxy::{next_connection_id, socket_factory::SocketFactory},
+    proxy::{is_own_port, next_connection_id, socket_factory::SocketFactory},
 };
 
 /// What the HBONE server of one pod needs.
@@ -128,13 +127,6 @@ async fn connection(
         );
     }
     Ok(())
-}
-
-fn is_own_port(port: u16) -> bool {
-    matches!(
-        port,
-        OUTBOUND_PORT | INBOUND_PLAINTEXT_PORT | INBOUND_HBONE_PORT | SOCKS5_PORT
-    )
 }
 
 fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, reason: &str) {

@@ -10,9 +10,10 @@ use std::net::SocketAddr;
 
 use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
-use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
 
-use super::{PodContext, ProxyError, next_connection_id, relay, socket_factory::SocketFactory};
+use super::{
+    PodContext, ProxyError, is_own_port, next_connection_id, relay, socket_factory::SocketFactory,
+};
 
 /// What the inbound path of one pod needs.
 #[derive(Debug, Clone)]
@@ -40,13 +41,6 @@ impl InboundContext {
             orig_dst_sockopt: pod.orig_dst_sockopt,
         }
     }
-}
-
-fn is_own_port(port: u16) -> bool {
-    matches!(
-        port,
-        OUTBOUND_PORT | INBOUND_PLAINTEXT_PORT | INBOUND_HBONE_PORT | SOCKS5_PORT
-    )
 }
 
 /// Accepts plaintext inbound connections forever.

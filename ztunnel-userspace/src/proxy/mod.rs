@@ -120,6 +120,16 @@ pub enum ProxyError {
     NoPodAddress(&'static str),
 }
 
+/// Whether `port` is one of ztunnel's own listener ports: a connection to
+/// it would loop back into ztunnel, so both inbound paths refuse it.
+pub(crate) fn is_own_port(port: u16) -> bool {
+    use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
+    matches!(
+        port,
+        OUTBOUND_PORT | INBOUND_PLAINTEXT_PORT | INBOUND_HBONE_PORT | SOCKS5_PORT
+    )
+}
+
 /// A connection id for log correlation.
 pub fn next_connection_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);

@@ -23,7 +23,7 @@ use crate::{
         copy,
         pool::{PoolKey, Tunnel, hbone_addr},
     },
-    state::{Route, policy::Peer},
+    state::{MeshState, Route, policy::Peer},
     telemetry::{self, ConnectionRecord, Endpoint},
 };
 
@@ -97,8 +97,12 @@ pub async fn handle(
     carry(stream, upstream, record).await
 }
 
-fn source(ctx: &OutboundContext, src_ip: Option<std::net::IpAddr>, port: u16) -> Endpoint {
-    let state = ctx.shared.state.current();
+fn source(
+    ctx: &OutboundContext,
+    state: &MeshState,
+    src_ip: Option<std::net::IpAddr>,
+    port: u16,
+) -> Endpoint {
     let workload = state.workload(&ctx.pod.uid);
     Endpoint {
         workload: workload.map_or_else(|| ctx.pod.uid.clone(), |w| w.name.clone()),
@@ -125,7 +129,7 @@ pub async fn open(
         Route::Passthrough { target } => {
             let upstream = ctx.pod.sockets.connect(target).await?;
             tracing::info!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
-            let src = source(ctx, None, client_port);
+            let src = source(ctx, &state, None, client_port);
             let record = ConnectionRecord::open(
                 metrics,
                 "outbound",
@@ -146,7 +150,7 @@ pub async fn open(
                 .pod
                 .ip_like(target.ip())
                 .ok_or(ProxyError::NoPodAddress(family))?;
-            let src = source(ctx, Some(src_ip), client_port);
+            let src = source(ctx, &state, Some(src_ip), client_port);
             let mut dst_end = state.endpoint(target);
             dst_end.identity = Some(identity.to_string());
             if let Some(local) = ctx.shared.local_pod(target.ip()) {
@@ -225,7 +229,7 @@ pub async fn open(
         }
         Route::Deny { reason } => {
             tracing::info!(orig_dst = %dst, path = "denied", %reason, result = "denied", "outbound connection denied");
-            let src = source(ctx, None, client_port);
+            let src = source(ctx, &state, None, client_port);
             telemetry::connection::denied(
                 metrics,
                 &src,

@@ -1,9 +1,6 @@
 //! Prometheus metrics.
 
-use std::sync::{
-    Arc, Mutex,
-    atomic::{AtomicI64, Ordering},
-};
+use std::sync::{Arc, Mutex, atomic::AtomicI64};
 
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
@@ -237,10 +234,4 @@ impl Drop for ActiveGuard {
     fn drop(&mut self) {
         self.0.active.dec();
     }
-}
-
-/// Orders loads of the active count (used by drain).
-pub fn active(metrics: &Metrics) -> i64 {
-    std::sync::atomic::fence(Ordering::Acquire);
-    metrics.active_connections()
 }
