@@ -2,7 +2,8 @@
 //! runs `zt-bench` (in the tests crate, next to the harness it uses). It
 //! installs the iptables package when missing (the `mesh-iptables`
 //! scenario needs it). Load generators are built in, so nothing else is
-//! required. A full run writes `docs/benchmarks.md`.
+//! required. Every run draws `target/benchmarks.svg` from the JSON result;
+//! a full run writes `docs/benchmarks.md` and `docs/benchmarks.svg`.
 
 use std::{path::Path, process::Command};
 
@@ -20,15 +21,30 @@ pub struct BenchArgs {
     /// Repetitions of every scenario (medians are reported).
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
+    /// Do not measure: redraw the chart from the last result
+    /// (target/benchmarks.json) into target/benchmarks.svg.
+    #[arg(long)]
+    pub redraw: bool,
 }
 
 /// Builds and runs the benchmark.
 pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
+    let target = workspace.join("target");
+    let json_path = target.join("benchmarks.json");
+    if args.redraw {
+        let svg = target.join("benchmarks.svg");
+        crate::chart::render(&read_result(&json_path)?, &svg)?;
+        eprintln!("xtask: drew {}", svg.display());
+        return Ok(());
+    }
     crate::test::ensure_iptables();
     // Release: the figures must describe the optimised proxy.
     let bench = crate::binaries::build(workspace, true)?.join("zt-bench");
     let mut cmd = Command::new(&bench);
-    cmd.arg("--runs").arg(args.runs.to_string());
+    cmd.arg("--runs")
+        .arg(args.runs.to_string())
+        .arg("--json-out")
+        .arg(&json_path);
     if args.quick {
         cmd.arg("--quick");
     } else {
@@ -44,6 +60,15 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
     if !status.success() {
         bail!("the benchmark failed");
     }
+    let result = read_result(&json_path)?;
+    check_figures(&result)?;
+    let svg = if args.quick {
+        target.join("benchmarks.svg")
+    } else {
+        workspace.join("docs").join("benchmarks.svg")
+    };
+    crate::chart::render(&result, &svg)?;
+    eprintln!("xtask: drew {}", svg.display());
     if !args.quick {
         let table = std::fs::read_to_string(workspace.join("target").join("benchmarks-table.md"))
             .unwrap_or_default();
@@ -65,6 +90,60 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// Every scenario must have produced every figure: a load generator that
+/// failed reports 0 or nothing, and a benchmark with holes must not pass
+/// (this is what makes `bench --quick` in `cargo xtask test` a real check).
+fn check_figures(result: &serde_json::Value) -> Result<()> {
+    const ALWAYS: [&str; 5] = [
+        "throughput_gbps",
+        "throughput4_gbps",
+        "rr_p50_us",
+        "rr_fixed_p50_us",
+        "conn_per_s",
+    ];
+    const MESH: [&str; 4] = [
+        "cpu_per_1k_rps",
+        "cpu_per_1k_rps_one",
+        "rss_idle_mb",
+        "rss_10k_conns_mb",
+    ];
+    let mut missing = Vec::new();
+    for scenario in [
+        "direct",
+        "mesh-ebpf",
+        "mesh-ebpf-nosockmap",
+        "mesh-iptables",
+    ] {
+        for placement in ["same_node", "cross_node"] {
+            let figures = &result["scenarios"][scenario][placement];
+            let mesh = if scenario == "direct" {
+                &[][..]
+            } else {
+                &MESH[..]
+            };
+            for key in ALWAYS.iter().chain(mesh) {
+                if !figures[*key].as_f64().is_some_and(|v| v > 0.0) {
+                    missing.push(format!("{scenario}/{placement}/{key}"));
+                }
+            }
+        }
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        bail!(
+            "the benchmark produced no figure (or 0) for: {}",
+            missing.join(", ")
+        )
+    }
+}
+
+fn read_result(path: &Path) -> Result<serde_json::Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
 fn machine() -> String {
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -77,4 +156,40 @@ fn machine() -> String {
         .unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
     format!("Linux {}, {cores} cores ({cpu})", kernel.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    fn complete() -> serde_json::Value {
+        let figures = json!({
+            "throughput_gbps": 1.0, "throughput4_gbps": 1.0, "rr_p50_us": 50.0,
+            "rr_fixed_p50_us": 60.0, "conn_per_s": 1000.0, "cpu_per_1k_rps": 0.1,
+            "cpu_per_1k_rps_one": 0.05, "rss_idle_mb": 8.0, "rss_10k_conns_mb": 90.0
+        });
+        let both = json!({"same_node": figures, "cross_node": figures});
+        json!({"scenarios": {"direct": both, "mesh-ebpf": both,
+                             "mesh-ebpf-nosockmap": both, "mesh-iptables": both}})
+    }
+
+    #[test]
+    fn complete_result_passes() {
+        super::check_figures(&complete()).expect("complete result");
+    }
+
+    #[test]
+    fn a_zero_or_missing_figure_is_named() {
+        let mut result = complete();
+        result["scenarios"]["mesh-iptables"]["cross_node"]["conn_per_s"] = json!(0.0);
+        result["scenarios"]["direct"]["same_node"]
+            .as_object_mut()
+            .expect("object")
+            .remove("rr_p50_us");
+        let err = super::check_figures(&result)
+            .expect_err("holes must fail")
+            .to_string();
+        assert!(err.contains("mesh-iptables/cross_node/conn_per_s"), "{err}");
+        assert!(err.contains("direct/same_node/rr_p50_us"), "{err}");
+    }
 }

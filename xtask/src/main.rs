@@ -9,6 +9,7 @@
 
 mod bench;
 mod binaries;
+mod chart;
 mod demo;
 mod ebpf;
 mod ebpf_artifact;

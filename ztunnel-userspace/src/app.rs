@@ -133,6 +133,7 @@ pub enum AppError {
 
 /// Runs the daemon until SIGTERM/SIGINT, then drains.
 pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result<(), AppError> {
+    crate::memory::limit_arenas(settings.worker_threads);
     let cgroup_dir = match &settings.cgroup {
         Some(dir) => dir.clone(),
         None => cgroup::cgroup2_mount()?,
@@ -255,6 +256,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     // Programs attached, pods enrolled (their certificates issued on
     // enrolment), first config applied.
     crate::admin::set_ready(&ready, true);
+    crate::memory::release_startup_heap();
     tracing::info!("ztunnel ready");
     runtime.block_on(async {
         tokio::select! {

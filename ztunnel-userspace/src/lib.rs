@@ -18,6 +18,7 @@ pub mod enrol;
 pub mod hbone;
 pub mod identity;
 pub mod loader;
+pub mod memory;
 pub mod netns;
 pub mod probe;
 pub mod proxy;
