@@ -6,13 +6,16 @@
 //! Scenarios: `direct` (no ztunnel), `mesh-ebpf` (sockmap on),
 //! `mesh-ebpf-nosockmap`, `mesh-iptables` (`--capture iptables`). Each is
 //! measured same-node (client and server pods on node a) and cross-node.
-//! Load generators are built in (`zt-probe bulk|rr|connrate|hold`), so the
-//! benchmark runs without extra packages; they measure the same things as
-//! iperf3 (bulk, 1 and 4 streams), sockperf ping-pong (half round trip of
-//! 1 KiB requests on one connection) and ab (new connection per request).
+//! Load generators: iperf3 (bulk, 1 and 4 streams), sockperf ping-pong
+//! (half round trip of 1 KiB requests on one connection) and ab against
+//! nginx (new connection per request) when installed; otherwise the
+//! built-in `zt-probe bulk|rr|connrate` modes, which measure the same
+//! things, so the benchmark also runs on a bare machine. `zt-probe hold`
+//! opens the connections of the memory measurement.
 
 mod measure;
 mod report;
+mod tools;
 
 use std::{collections::BTreeMap, io::Write as _, net::SocketAddr, path::PathBuf, time::Duration};
 
@@ -25,6 +28,7 @@ use ztunnel_tests::{
 };
 
 use measure::{hold_rss, measure};
+use tools::Tools;
 
 #[derive(Parser)]
 #[command(about = "ztunnel-rs benchmark")]
@@ -59,6 +63,10 @@ struct Cli {
     /// `--ztunnel-arg=--worker-threads=1`, to compare settings.
     #[arg(long = "ztunnel-arg", allow_hyphen_values = true)]
     ztunnel_args: Vec<String>,
+    /// Use only the built-in load generators, even when iperf3, sockperf
+    /// and ab/nginx are installed.
+    #[arg(long)]
+    builtin: bool,
     /// Requests of the maximum-rate request/response phase (default:
     /// 10000, 2000 with --quick); raise it to profile that phase.
     #[arg(long)]
@@ -95,6 +103,10 @@ pub(crate) struct Params {
     pub seconds: u64,
     pub rr_count: usize,
     pub rr_fixed_count: usize,
+    /// Length of a sockperf fixed-rate phase.
+    pub rr_fixed_seconds: u64,
+    /// Requests of an `ab` run.
+    pub ab_requests: usize,
     pub rr_fixed_rate: u64,
     pub hold: usize,
 }
@@ -117,6 +129,8 @@ fn main() {
             seconds: 1,
             rr_count: cli.rr_count.unwrap_or(2000),
             rr_fixed_count: 500,
+            rr_fixed_seconds: 1,
+            ab_requests: 500,
             rr_fixed_rate: 1000,
             hold: 1000,
         }
@@ -126,6 +140,8 @@ fn main() {
             seconds: 4,
             rr_count: cli.rr_count.unwrap_or(10000),
             rr_fixed_count: 3000,
+            rr_fixed_seconds: 3,
+            ab_requests: 3000,
             rr_fixed_rate: 1000,
             hold: 10000,
         }
@@ -148,6 +164,13 @@ fn main() {
         ],
     );
     let config = config.to_str().unwrap_or_default().to_owned();
+    let tools = if cli.builtin {
+        Tools::default()
+    } else {
+        Tools::detect()
+    };
+    let generators = tools.describe();
+    say(&format!("load generators: {generators}"));
     let mut servers = Vec::new();
     for name in ["srv-a", "srv-b"] {
         let pod = cluster.pod(name);
@@ -163,6 +186,7 @@ fn main() {
             "digest",
             true,
         ));
+        servers.extend(tools.start_servers(&cluster, pod));
     }
 
     // samples[scenario][placement][metric] = values over runs
@@ -180,7 +204,7 @@ fn main() {
                 if cli.placement.as_ref().is_some_and(|p| p != placement) {
                     continue;
                 }
-                let m = measure(&cluster, target, &p, [za.as_ref(), zb.as_ref()]);
+                let m = measure(&cluster, target, &p, &tools, [za.as_ref(), zb.as_ref()]);
                 let slot = samples
                     .entry(scenario.into())
                     .or_default()
@@ -229,6 +253,7 @@ fn main() {
     let scen = Value::Object(scen);
     let result = json!({
         "runs": runs,
+        "load_generators": generators,
         "quick": cli.quick,
         "hold_connections": p.hold,
         "targets": report::targets(&scen),

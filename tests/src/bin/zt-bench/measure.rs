@@ -1,11 +1,18 @@
-//! The measurements of one scenario and placement, with the built-in load
-//! generators (`zt-probe`), and the ztunnel CPU and memory readings.
+//! The measurements of one scenario and placement, with the trusted tools
+//! when installed ([`crate::tools`]) or the built-in load generators
+//! (`zt-probe`), and the ztunnel CPU and memory readings.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use ztunnel_tests::{Cluster, Pod, probe_bin, process::PodProcess, ztunnel::Ztunnel};
 
-use crate::Params;
+use crate::{
+    Params,
+    tools::{self, RrFigures, Tools},
+};
 
 fn probe(pod: &Pod, args: &[String], limit: Duration) -> String {
     let mut cmd = pod.command(&probe_bin());
@@ -39,40 +46,86 @@ fn cpu_seconds(zs: &[Option<&Ztunnel>; 2]) -> Vec<f64> {
         .collect()
 }
 
-/// Runs one request/response probe and returns its output with the CPU
-/// each ztunnel used meanwhile, as cores per 1,000 requests/s.
-fn rr_with_cpu(
-    client: &Pod,
-    args: &[String],
-    limit: Duration,
+/// Runs `work` (one request/response phase) and returns its figures with
+/// the CPU the ztunnels used meanwhile, as cores per 1,000 requests/s:
+/// (both together, the busier one).
+fn with_cpu(
     zs: [Option<&Ztunnel>; 2],
-) -> (String, Option<(f64, f64)>) {
+    work: impl FnOnce() -> Option<RrFigures>,
+) -> (Option<RrFigures>, Option<(f64, f64)>) {
     let cpu0 = cpu_seconds(&zs);
     let t0 = std::time::Instant::now();
-    let out = probe(client, args, limit);
+    let figures = work();
     let wall = t0.elapsed().as_secs_f64();
     let used: Vec<f64> = cpu_seconds(&zs)
         .iter()
         .zip(&cpu0)
         .map(|(b, a)| b - a)
         .collect();
-    let rps = num(&out, "rps").unwrap_or(0.0);
+    let rps = figures.map_or(0.0, |f| f.rps);
     if used.is_empty() || rps <= 0.0 || wall <= 0.0 {
-        return (out, None);
+        return (figures, None);
     }
-    // Cores used per 1,000 requests/s: (cpu / wall) / (rps / 1000). The
-    // probe's own start-up is inside `wall`, which only lowers the figure
-    // by a few milliseconds' worth.
+    // (cpu / wall) / (rps / 1000). The load generator runs at a steady
+    // rate for its whole life (sockperf's warm-up too), so its start-up is
+    // the only part of `wall` without load: a few milliseconds.
     let per_1k = |cpu: f64| (cpu / wall) / (rps / 1000.0);
     let total: f64 = used.iter().sum();
     let busiest = used.iter().copied().fold(0.0, f64::max);
-    (out, Some((per_1k(total), per_1k(busiest))))
+    (figures, Some((per_1k(total), per_1k(busiest))))
+}
+
+fn builtin_rr(client: &Pod, args: &[String], limit: Duration) -> Option<RrFigures> {
+    let out = probe(client, args, limit);
+    Some(RrFigures {
+        p50_us: num(&out, "p50_us")?,
+        p99_us: num(&out, "p99_us")?,
+        p999_us: num(&out, "p999_us")?,
+        rps: num(&out, "rps")?,
+    })
+}
+
+/// Request/response at maximum rate (`rate` None) or at a fixed rate.
+fn rr(
+    client: &Pod,
+    srv: &Pod,
+    p: &Params,
+    tools: &Tools,
+    rate: Option<u64>,
+) -> Option<RrFigures> {
+    let limit = Duration::from_secs(p.seconds * 4 + 60);
+    if let Some(sockperf) = &tools.sockperf {
+        let seconds = if rate.is_some() {
+            p.rr_fixed_seconds
+        } else {
+            p.seconds
+        };
+        let (figures, out) = tools::sockperf(sockperf, client, IpAddr::V4(srv.ip), seconds, rate);
+        if figures.is_none() {
+            eprintln!("zt-bench: sockperf gave no figures; its output:\n{out}");
+        }
+        return figures;
+    }
+    let echo = SocketAddr::from((srv.ip, 8080)).to_string();
+    let count = match rate {
+        Some(_) => p.rr_fixed_count,
+        None => p.rr_count,
+    };
+    let mut args: Vec<String> = ["rr", "--connect", &echo, "--count", &count.to_string(), "--size", "1024"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    if let Some(rate) = rate {
+        args.extend(["--rate".to_owned(), rate.to_string()]);
+    }
+    builtin_rr(client, &args, limit)
 }
 
 pub fn measure(
     cluster: &Cluster,
     target: &str,
     p: &Params,
+    tools: &Tools,
     zs: [Option<&Ztunnel>; 2],
 ) -> Vec<(String, f64)> {
     let client = cluster.pod("client");
@@ -84,89 +137,65 @@ pub fn measure(
     let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<String>>();
     let mut out = Vec::new();
     if p.wants("bulk") {
-        for (metric, streams) in [("throughput_gbps", "1"), ("throughput4_gbps", "4")] {
-            let bulk = probe(
-                client,
-                &s(&[
-                    "bulk",
-                    "--connect",
-                    &sink,
-                    "--seconds",
-                    &secs,
-                    "--streams",
-                    streams,
-                ]),
-                limit,
-            );
-            out.push((metric.into(), num(&bulk, "gbps").unwrap_or(0.0)));
+        for (metric, streams) in [("throughput_gbps", 1), ("throughput4_gbps", 4)] {
+            let gbps = match &tools.iperf3 {
+                Some(iperf3) => {
+                    tools::iperf3(iperf3, client, IpAddr::V4(srv.ip), p.seconds, streams)
+                }
+                None => {
+                    let streams = streams.to_string();
+                    let args = s(&[
+                        "bulk", "--connect", &sink, "--seconds", &secs, "--streams", &streams,
+                    ]);
+                    num(&probe(client, &args, limit), "gbps")
+                }
+            };
+            out.push((metric.into(), gbps.unwrap_or(0.0)));
         }
     }
-    let count = p.rr_count.to_string();
-    if p.wants("rr") {
-        let args = s(&[
+    for (wanted, rate, prefix, cpu_keys) in [
+        (
             "rr",
-            "--connect",
-            &echo,
-            "--count",
-            &count,
-            "--size",
-            "1024",
-        ]);
-        let (rr, cpu) = rr_with_cpu(client, &args, limit, zs);
-        for (k, key) in [
-            ("rr_p50_us", "p50_us"),
-            ("rr_p99_us", "p99_us"),
-            ("rr_p999_us", "p999_us"),
-        ] {
-            out.push((k.into(), num(&rr, key).unwrap_or(0.0)));
-        }
-        if let Some((total, busiest)) = cpu {
-            out.push(("cpu_per_1k_rps_max_rate".into(), total));
-            out.push(("cpu_per_1k_rps_max_rate_one".into(), busiest));
-        }
-    }
-    if p.wants("rr-fixed") {
-        let count = p.rr_fixed_count.to_string();
-        let rate = p.rr_fixed_rate.to_string();
-        let args = s(&[
+            None,
             "rr",
-            "--connect",
-            &echo,
-            "--count",
-            &count,
-            "--size",
-            "1024",
-            "--rate",
-            &rate,
-        ]);
-        let (fixed, cpu) = rr_with_cpu(client, &args, limit, zs);
-        for (k, key) in [
-            ("rr_fixed_p50_us", "p50_us"),
-            ("rr_fixed_p99_us", "p99_us"),
-            ("rr_fixed_p999_us", "p999_us"),
-        ] {
-            out.push((k.into(), num(&fixed, key).unwrap_or(0.0)));
+            ["cpu_per_1k_rps_max_rate", "cpu_per_1k_rps_max_rate_one"],
+        ),
+        (
+            "rr-fixed",
+            Some(p.rr_fixed_rate),
+            "rr_fixed",
+            ["cpu_per_1k_rps", "cpu_per_1k_rps_one"],
+        ),
+    ] {
+        if !p.wants(wanted) {
+            continue;
         }
+        let (figures, cpu) = with_cpu(zs, || rr(client, srv, p, tools, rate));
+        let f = figures.unwrap_or(RrFigures {
+            p50_us: 0.0,
+            p99_us: 0.0,
+            p999_us: 0.0,
+            rps: 0.0,
+        });
+        out.push((format!("{prefix}_p50_us"), f.p50_us));
+        out.push((format!("{prefix}_p99_us"), f.p99_us));
+        out.push((format!("{prefix}_p999_us"), f.p999_us));
         if let Some((total, busiest)) = cpu {
-            out.push(("cpu_per_1k_rps".into(), total));
-            out.push(("cpu_per_1k_rps_one".into(), busiest));
+            out.push((cpu_keys[0].into(), total));
+            out.push((cpu_keys[1].into(), busiest));
         }
     }
     if p.wants("connrate") {
-        let conn = probe(
-            client,
-            &s(&[
-                "connrate",
-                "--connect",
-                &echo,
-                "--seconds",
-                &secs,
-                "--workers",
-                "4",
-            ]),
-            limit,
-        );
-        out.push(("conn_per_s".into(), num(&conn, "per_s").unwrap_or(0.0)));
+        let per_s = match &tools.ab_nginx {
+            Some((ab, _)) => tools::ab(ab, client, IpAddr::V4(srv.ip), p.ab_requests),
+            None => {
+                let args = s(&[
+                    "connrate", "--connect", &echo, "--seconds", &secs, "--workers", "4",
+                ]);
+                num(&probe(client, &args, limit), "per_s")
+            }
+        };
+        out.push(("conn_per_s".into(), per_s.unwrap_or(0.0)));
     }
     out
 }
