@@ -4,6 +4,15 @@
 //! loopback. When the peer is not (yet) in the map the payload goes the normal
 //! way, and that direction of the connection stays on TCP from then on
 //! (`LOCAL_LEG_TCP_ONLY`), so bytes are never reordered.
+//!
+//! Only writes of up to `MAX_REDIRECT_BYTES` are redirected. The kernel's
+//! sockmap ingress path has no back-pressure: when the receiving socket is
+//! full it fails the writer's `sendmsg()` with `ENOMEM` instead of making it
+//! wait (seen on 6.18 with iperf3's 128 KiB writes towards a ztunnel that
+//! was itself held back by HTTP/2 flow control). Request/response traffic,
+//! where skipping loopback TCP pays, writes small messages; a bulk writer's
+//! first large write sends that direction through TCP for good, where
+//! back-pressure works and the saved copy would be small next to TLS anyway.
 
 use core::mem::MaybeUninit;
 
@@ -19,6 +28,9 @@ use crate::{
     maps::{LOCAL_LEG_SOCKETS, LOCAL_LEG_TCP_ONLY, count},
     net::{SockFields, remote_port_host, snapshot_sk_msg},
 };
+
+/// Largest write handed over directly (see the module comment).
+const MAX_REDIRECT_BYTES: u32 = 16 * 1024;
 
 #[sk_msg]
 pub fn accelerate_local_leg(ctx: SkMsgContext) -> u32 {
@@ -42,6 +54,14 @@ pub fn accelerate_local_leg(ctx: SkMsgContext) -> u32 {
     };
     // SAFETY: plain-data value, only tested for presence.
     if unsafe { LOCAL_LEG_TCP_ONLY.get(&me) }.is_some() {
+        count(Counter::LocalLegPassed);
+        return SK_PASS;
+    }
+    if ctx.size() > MAX_REDIRECT_BYTES {
+        // Bytes redirected earlier are read before these (the receiver
+        // drains its sockmap queue first), so switching to TCP here keeps
+        // the order; switching back never happens.
+        let _ = LOCAL_LEG_TCP_ONLY.insert(&me, &1, 0);
         count(Counter::LocalLegPassed);
         return SK_PASS;
     }

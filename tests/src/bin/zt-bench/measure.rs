@@ -86,13 +86,7 @@ fn builtin_rr(client: &Pod, args: &[String], limit: Duration) -> Option<RrFigure
 }
 
 /// Request/response at maximum rate (`rate` None) or at a fixed rate.
-fn rr(
-    client: &Pod,
-    srv: &Pod,
-    p: &Params,
-    tools: &Tools,
-    rate: Option<u64>,
-) -> Option<RrFigures> {
+fn rr(client: &Pod, srv: &Pod, p: &Params, tools: &Tools, rate: Option<u64>) -> Option<RrFigures> {
     let limit = Duration::from_secs(p.seconds * 4 + 60);
     if let Some(sockperf) = &tools.sockperf {
         let seconds = if rate.is_some() {
@@ -111,10 +105,18 @@ fn rr(
         Some(_) => p.rr_fixed_count,
         None => p.rr_count,
     };
-    let mut args: Vec<String> = ["rr", "--connect", &echo, "--count", &count.to_string(), "--size", "1024"]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
+    let mut args: Vec<String> = [
+        "rr",
+        "--connect",
+        &echo,
+        "--count",
+        &count.to_string(),
+        "--size",
+        "1024",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
     if let Some(rate) = rate {
         args.extend(["--rate".to_owned(), rate.to_string()]);
     }
@@ -145,7 +147,13 @@ pub fn measure(
                 None => {
                     let streams = streams.to_string();
                     let args = s(&[
-                        "bulk", "--connect", &sink, "--seconds", &secs, "--streams", &streams,
+                        "bulk",
+                        "--connect",
+                        &sink,
+                        "--seconds",
+                        &secs,
+                        "--streams",
+                        &streams,
                     ]);
                     num(&probe(client, &args, limit), "gbps")
                 }
@@ -190,7 +198,13 @@ pub fn measure(
             Some((ab, _)) => tools::ab(ab, client, IpAddr::V4(srv.ip), p.ab_requests),
             None => {
                 let args = s(&[
-                    "connrate", "--connect", &echo, "--seconds", &secs, "--workers", "4",
+                    "connrate",
+                    "--connect",
+                    &echo,
+                    "--seconds",
+                    &secs,
+                    "--workers",
+                    "4",
                 ]);
                 num(&probe(client, &args, limit), "per_s")
             }

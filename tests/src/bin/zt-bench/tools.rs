@@ -61,11 +61,7 @@ impl Tools {
         format!(
             "bulk: {}; request/response: {}; new connections: {}",
             pick(self.iperf3.is_some(), "iperf3", "zt-probe bulk"),
-            pick(
-                self.sockperf.is_some(),
-                "sockperf ping-pong",
-                "zt-probe rr"
-            ),
+            pick(self.sockperf.is_some(), "sockperf ping-pong", "zt-probe rr"),
             pick(self.ab_nginx.is_some(), "ab + nginx", "zt-probe connrate"),
         )
     }
@@ -161,13 +157,12 @@ pub fn iperf3(
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    let out = run(
-        client,
-        iperf3,
-        &args,
-        Duration::from_secs(seconds * 3 + 30),
-    );
-    parse_iperf3(&out)
+    let out = run(client, iperf3, &args, Duration::from_secs(seconds * 3 + 30));
+    let gbps = parse_iperf3(&out);
+    if gbps.is_none() {
+        eprintln!("zt-bench: iperf3 gave no figure; its output:\n{out}");
+    }
+    gbps
 }
 
 fn parse_iperf3(json: &str) -> Option<f64> {
@@ -235,7 +230,11 @@ fn parse_sockperf(out: &str) -> Option<RrFigures> {
     let field = |key: &str| {
         valid
             .split(';')
-            .find_map(|part| part.trim().split_once('=').filter(|(k, _)| k.ends_with(key)))
+            .find_map(|part| {
+                part.trim()
+                    .split_once('=')
+                    .filter(|(k, _)| k.ends_with(key))
+            })
             .and_then(|(_, v)| v.trim().trim_end_matches(" sec").parse::<f64>().ok())
     };
     let runtime = field("RunTime")?;
