@@ -38,6 +38,21 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
         return Ok(());
     }
     crate::test::ensure_iptables();
+    // The load generators other meshes are measured with. Without them
+    // (no registry) zt-bench falls back to its built-in ones and says so.
+    if !crate::packages::ensure(
+        &[
+            ("iperf3", "iperf3"),
+            ("sockperf", "sockperf"),
+            ("ab", "apache2-utils"),
+            ("nginx", "nginx-light"),
+        ],
+        "as the benchmark's load generators",
+    ) {
+        eprintln!(
+            "xtask: some load generators are missing; zt-bench uses its built-in ones for those"
+        );
+    }
     // Release: the figures must describe the optimised proxy.
     let bench = crate::binaries::build(workspace, true)?.join("zt-bench");
     let mut cmd = Command::new(&bench);
@@ -73,16 +88,25 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
         let table = std::fs::read_to_string(workspace.join("target").join("benchmarks-table.md"))
             .unwrap_or_default();
         let machine = machine();
+        let generators = result["load_generators"].as_str().unwrap_or("built-in");
         let doc = format!(
-            "# Benchmarks\n\nWritten by `cargo xtask bench --runs {}` (medians of {} interleaved runs; every scenario on \
-             the same two-node topology in network namespaces; direct baseline from the same run). The load generators \
-             are ztunnel-rs's own (`zt-probe`): bulk send (iperf3-style, 1 and 4 streams), 1 KiB request/response on \
-             one connection reported as half round trips (sockperf ping-pong style), at maximum rate and at 1,000/s, and \
-             new connections per second with one 64-byte echo each from 4 workers (ab-style). ztunnel CPU is measured \
-             from `/proc` over the maximum-rate request/response phase, both nodes' ztunnels together, as cores per \
-             1,000 requests/s. The client, the servers and both ztunnels share the machine's cores, so absolute figures \
-             are low; compare ratios within a run.\n\nMachine: {machine}\n\n{table}\n",
-            args.runs, args.runs
+            "# Benchmarks\n\n\
+             Written by `cargo xtask bench --runs {runs}`: medians of {runs} interleaved runs, every scenario on \
+             the same two-node topology in network namespaces, the direct (no mesh) baseline from the same run. \
+             How it measures, what the figures mean and what stands between them and the targets: \
+             [performance.md](performance.md).\n\n\
+             - Machine: {machine}\n\
+             - Load generators: {generators}\n\
+             - Request/response: 1 KiB messages on one connection, half round trips (as sockperf reports them), \
+             at maximum rate and at 1,000/s.\n\
+             - ztunnel CPU: on-CPU time of every ztunnel thread (`/proc/PID/task/*/schedstat`) over a \
+             request/response phase, as cores per 1,000 requests/s; \"busier\" is the ztunnel that used more, \
+             \"both\" the two nodes' ztunnels together.\n\
+             - RSS: node a's ztunnel, idle after start-up and while the client holds the connections.\n\n\
+             The client, the servers and both ztunnels share the machine's two cores, so compare ratios within a \
+             run rather than absolute figures across machines.\n\n\
+             ![ratios of this run](benchmarks.svg)\n\n{table}\n",
+            runs = args.runs,
         );
         std::fs::write(workspace.join("docs").join("benchmarks.md"), doc)?;
         eprintln!("xtask: wrote docs/benchmarks.md");

@@ -13,6 +13,7 @@ mod chart;
 mod demo;
 mod ebpf;
 mod ebpf_artifact;
+mod packages;
 mod test;
 mod toolchain;
 

@@ -241,26 +241,11 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
 
 /// Installs Debian's `iptables` package if `iptables` is not on PATH.
 pub fn ensure_iptables() {
-    let have = Command::new("iptables")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if have {
-        return;
-    }
-    eprintln!("xtask: installing the iptables package (apt-get) for the iptables capture backend");
-    let install = || {
-        Command::new("apt-get")
-            .args(["install", "-y", "-q", "iptables"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !install() {
-        let _ = Command::new("apt-get").args(["update", "-q"]).status();
-        if !install() {
-            eprintln!("xtask: could not install iptables; the iptables-backend tests will fail");
-        }
+    if !crate::packages::ensure(
+        &[("iptables", "iptables")],
+        "for the iptables capture backend",
+    ) {
+        eprintln!("xtask: could not install iptables; the iptables-backend tests will fail");
     }
 }
 

@@ -140,23 +140,20 @@ pub fn measure(
     let mut out = Vec::new();
     if p.wants("bulk") {
         for (metric, streams) in [("throughput_gbps", 1), ("throughput4_gbps", 4)] {
-            let gbps = match &tools.iperf3 {
-                Some(iperf3) => {
-                    tools::iperf3(iperf3, client, IpAddr::V4(srv.ip), p.seconds, streams)
-                }
-                None => {
-                    let streams = streams.to_string();
-                    let args = s(&[
-                        "bulk",
-                        "--connect",
-                        &sink,
-                        "--seconds",
-                        &secs,
-                        "--streams",
-                        &streams,
-                    ]);
-                    num(&probe(client, &args, limit), "gbps")
-                }
+            let gbps = if let Some(iperf3) = &tools.iperf3 {
+                tools::iperf3(iperf3, client, IpAddr::V4(srv.ip), p.seconds, streams)
+            } else {
+                let streams = streams.to_string();
+                let args = s(&[
+                    "bulk",
+                    "--connect",
+                    &sink,
+                    "--seconds",
+                    &secs,
+                    "--streams",
+                    &streams,
+                ]);
+                num(&probe(client, &args, limit), "gbps")
             };
             out.push((metric.into(), gbps.unwrap_or(0.0)));
         }
@@ -194,20 +191,19 @@ pub fn measure(
         }
     }
     if p.wants("connrate") {
-        let per_s = match &tools.ab_nginx {
-            Some((ab, _)) => tools::ab(ab, client, IpAddr::V4(srv.ip), p.ab_requests),
-            None => {
-                let args = s(&[
-                    "connrate",
-                    "--connect",
-                    &echo,
-                    "--seconds",
-                    &secs,
-                    "--workers",
-                    "4",
-                ]);
-                num(&probe(client, &args, limit), "per_s")
-            }
+        let per_s = if let Some((ab, _)) = &tools.ab_nginx {
+            tools::ab(ab, client, IpAddr::V4(srv.ip), p.ab_requests)
+        } else {
+            let args = s(&[
+                "connrate",
+                "--connect",
+                &echo,
+                "--seconds",
+                &secs,
+                "--workers",
+                "4",
+            ]);
+            num(&probe(client, &args, limit), "per_s")
         };
         out.push(("conn_per_s".into(), per_s.unwrap_or(0.0)));
     }
