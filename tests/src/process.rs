@@ -95,6 +95,30 @@ impl PodProcess {
         self.child.as_ref().map_or(0, Child::id)
     }
 
+    /// Waits at most `limit`; `None` (after killing it) if it is still
+    /// running then. For load generators that may hang on a peer.
+    pub fn try_wait(mut self, limit: Duration) -> Option<Finished> {
+        let mut child = self.child.take().expect("child present");
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let (stdout, stderr) = drain(&mut child);
+        Some(Finished {
+            status,
+            stdout,
+            stderr,
+        })
+    }
+
     /// Waits at most `limit`; panics (after killing it) if it is still running.
     pub fn wait(mut self, limit: Duration) -> Finished {
         let mut child = self.child.take().expect("child present");

@@ -141,7 +141,7 @@ pub fn measure(
     if p.wants("bulk") {
         for (metric, streams) in [("throughput_gbps", 1), ("throughput4_gbps", 4)] {
             let gbps = if let Some(iperf3) = &tools.iperf3 {
-                tools::iperf3(iperf3, client, IpAddr::V4(srv.ip), p.seconds, streams)
+                tools::iperf3(iperf3, client, srv, p.seconds, streams)
             } else {
                 let streams = streams.to_string();
                 let args = s(&[

@@ -4,7 +4,9 @@
 //! request/response latency (it reports half the round trip, like our
 //! built-in probe), and `ab` against `nginx` serving a 1-byte file for new
 //! connections per second. The choice is made once per benchmark run, so
-//! every scenario is measured with the same tool.
+//! every scenario is measured with the same tool. A tool that hangs is
+//! killed and its figure is missing, which fails the run at the end
+//! instead of stopping it midway.
 
 use std::{
     net::IpAddr,
@@ -72,11 +74,6 @@ impl Tools {
         let mut servers = Vec::new();
         let ip = pod.ip.to_string();
         let pod_ip = IpAddr::V4(pod.ip);
-        if let Some(iperf3) = &self.iperf3 {
-            let mut cmd = pod.command(iperf3);
-            cmd.args(["-s", "-B", &ip, "-p", &IPERF3_PORT.to_string()]);
-            servers.push(PodProcess::spawn("iperf3-server", cmd));
-        }
         if let Some(sockperf) = &self.sockperf {
             let mut cmd = pod.command(sockperf);
             cmd.args([
@@ -129,40 +126,66 @@ fn nginx_config(dir: &Path, pod: &str, ip: IpAddr) -> PathBuf {
     path
 }
 
-fn run(pod: &Pod, program: &Path, args: &[String], limit: Duration) -> String {
+/// Runs a tool in `pod`; its stdout, or `None` when it had to be killed
+/// after `limit`.
+fn run(pod: &Pod, program: &Path, args: &[String], limit: Duration) -> Option<String> {
     let mut cmd = pod.command(program);
     cmd.args(args);
-    PodProcess::spawn("bench-tool", cmd).wait(limit).stdout
+    let done = PodProcess::spawn("bench-tool", cmd).try_wait(limit);
+    if done.is_none() {
+        eprintln!(
+            "zt-bench: {} {} hung; killed after {limit:?}",
+            program.display(),
+            args.join(" ")
+        );
+    }
+    done.map(|d| d.stdout)
 }
 
-/// iperf3 client: Gbit/s received by the server over `seconds`.
+/// One iperf3 measurement: a fresh one-off server (`-s -1`) in `server`
+/// and a client in `client`; Gbit/s received over `seconds`. A stale
+/// long-lived iperf3 server can wedge a later test (seen once in a
+/// 16-minute run), so every attempt starts its own, and a failed attempt
+/// is retried once.
 pub fn iperf3(
     iperf3: &Path,
     client: &Pod,
-    server: IpAddr,
+    server: &Pod,
     seconds: u64,
     streams: usize,
 ) -> Option<f64> {
-    let args: Vec<String> = [
-        "-c",
-        &server.to_string(),
-        "-p",
-        &IPERF3_PORT.to_string(),
-        "-t",
-        &seconds.to_string(),
-        "-P",
-        &streams.to_string(),
-        "-J",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    let out = run(client, iperf3, &args, Duration::from_secs(seconds * 3 + 30));
-    let gbps = parse_iperf3(&out);
-    if gbps.is_none() {
-        eprintln!("zt-bench: iperf3 gave no figure; its output:\n{out}");
+    let port = IPERF3_PORT.to_string();
+    let ip = server.ip.to_string();
+    for attempt in 1..=2 {
+        let mut cmd = server.command(iperf3);
+        cmd.args(["-s", "-1", "-B", &ip, "-p", &port]);
+        let listener = PodProcess::spawn("iperf3-server", cmd);
+        std::thread::sleep(Duration::from_millis(200));
+        let args: Vec<String> = [
+            "-c",
+            &ip,
+            "-p",
+            &port,
+            "-t",
+            &seconds.to_string(),
+            "-P",
+            &streams.to_string(),
+            "--connect-timeout",
+            "5000",
+            "-J",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let out =
+            run(client, iperf3, &args, Duration::from_secs(seconds * 3 + 30)).unwrap_or_default();
+        drop(listener);
+        if let Some(gbps) = parse_iperf3(&out) {
+            return Some(gbps);
+        }
+        eprintln!("zt-bench: iperf3 attempt {attempt} gave no figure; its output:\n{out}");
     }
-    gbps
+    None
 }
 
 fn parse_iperf3(json: &str) -> Option<f64> {
@@ -214,7 +237,8 @@ pub fn sockperf(
         sockperf,
         &args,
         Duration::from_secs(seconds * 3 + 30),
-    );
+    )
+    .unwrap_or_default();
     (parse_sockperf(&out), out)
 }
 
@@ -266,7 +290,7 @@ pub fn ab(ab: &Path, client: &Pod, server: IpAddr, requests: usize) -> Option<f6
         "4".to_owned(),
         url,
     ];
-    let out = run(client, ab, &args, Duration::from_secs(120));
+    let out = run(client, ab, &args, Duration::from_secs(120))?;
     parse_ab(&out)
 }
 
