@@ -55,7 +55,7 @@ fn inbound_connections_reach_the_plaintext_listener_with_their_original_destinat
         flows::assert_ok(&flows::client(client, *dst, &run));
         let after = z.counters();
         assert_eq!(
-            after.get(Counter::IngressAssigned) - before.get(Counter::IngressAssigned),
+            after.get(Counter::LookupSteeredPlaintext) - before.get(Counter::LookupSteeredPlaintext),
             1,
             "{after:?}"
         );
@@ -97,10 +97,10 @@ fn inbound_connections_reach_the_plaintext_listener_with_their_original_destinat
         Duration::from_secs(5),
     );
     let after = z.counters();
-    assert!(after.get(Counter::IngressHbonePassed) > before.get(Counter::IngressHbonePassed));
+    assert!(after.get(Counter::LookupSteeredHbone) > before.get(Counter::LookupSteeredHbone));
     assert_eq!(
-        after.get(Counter::IngressAssigned),
-        before.get(Counter::IngressAssigned)
+        after.get(Counter::LookupSteeredPlaintext),
+        before.get(Counter::LookupSteeredPlaintext)
     );
 }
 
@@ -167,7 +167,7 @@ fn exclusions_and_opt_outs_pass_untouched() {
             from.name
         );
         let moved = after.get(Counter::ConnectRedirected) > before.get(Counter::ConnectRedirected)
-            || after.get(Counter::IngressAssigned) > before.get(Counter::IngressAssigned);
+            || after.get(Counter::LookupSteeredPlaintext) > before.get(Counter::LookupSteeredPlaintext);
         assert_eq!(
             moved, redirected,
             "{}->{to}: captured={moved}, expected {redirected}",
@@ -185,10 +185,10 @@ fn exclusions_and_opt_outs_pass_untouched() {
     // Outbound control: a non-excluded port is captured.
     check(app, sa(other.ip, 8080), Counter::ConnectRedirected, true);
     // Inbound: excluded port, excluded source CIDR (the "health prober").
-    check(other, sa(app.ip, 8081), Counter::IngressExcluded, false);
-    check(prober, sa(app.ip, 8080), Counter::IngressExcluded, false);
+    check(other, sa(app.ip, 8081), Counter::LookupExcluded, false);
+    check(prober, sa(app.ip, 8080), Counter::LookupExcluded, false);
     // Inbound control: the same port from another source is captured.
-    check(other, sa(app.ip, 8080), Counter::IngressAssigned, true);
+    check(other, sa(app.ip, 8080), Counter::LookupSteeredPlaintext, true);
     // A pod that opted out of both directions.
     check(
         optout,

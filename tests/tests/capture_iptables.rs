@@ -68,7 +68,7 @@ fn iptables_backend_captures_both_ways_with_original_destinations() {
     // The eBPF programs are loaded but not attached: they captured nothing.
     let c = z.counters();
     assert_eq!(c.get(Counter::ConnectRedirected), 0, "{c:?}");
-    assert_eq!(c.get(Counter::IngressAssigned), 0, "{c:?}");
+    assert_eq!(c.get(Counter::LookupSteeredPlaintext), 0, "{c:?}");
 
     // Removing the pod removes the rules.
     std::fs::write(&config, "workloads: []\n").expect("write");

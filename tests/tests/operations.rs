@@ -277,7 +277,7 @@ fn metrics_admin_readiness_and_drain() {
         metric(
             &text,
             "ztunnel_capture_events",
-            &["event=\"ingress_hbone_passed\""]
+            &["event=\"lookup_steered_hbone\""]
         )
         .is_some_and(|v| v >= 1),
         "{text}"

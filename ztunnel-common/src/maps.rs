@@ -7,15 +7,23 @@
 /// netns cookie (`u64`) -> [`PodCapture`]. Written by userspace on enrolment,
 /// read by `capture_connect4/6` to decide whether a `connect()` is captured.
 pub const MAP_POD_CAPTURE: &str = "POD_CAPTURE";
-/// socket cookie (`u64`) -> [`OrigDst`]. Written by `capture_connect4/6` when
-/// they rewrite a destination; copied into [`MAP_ORIG_DST`] by
-/// `capture_sockops` once the client's local port is known, and read by
-/// `capture_getpeername4/6` so the application's `getpeername()` shows the
-/// destination it asked for. LRU: entries of closed sockets age out.
-pub const MAP_ORIG_DST_BY_COOKIE: &str = "ORIG_DST_BY_COOKIE";
-/// [`OrigDstKey`] -> [`OrigDst`]. Written by `capture_sockops` when a captured
-/// socket becomes established; read and deleted by userspace when the outbound
-/// listener accepts the connection. LRU for the same reason as above.
+/// Socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`) holding the
+/// [`OrigDst`] of each captured socket. Written by `capture_connect4/6` when
+/// they rewrite a destination (no record, no rewrite: the connect is
+/// refused); read by `capture_sockops` (to fill [`MAP_ORIG_DST`]) and by
+/// `capture_getpeername4/6`, so the application's `getpeername()` shows the
+/// destination it asked for. The kernel frees an entry with its socket, so
+/// nothing accumulates with connection churn and the record is right for the
+/// whole life of the connection.
+pub const MAP_ORIG_DST_BY_SOCKET: &str = "ORIG_DST_BY_SOCKET";
+/// [`OrigDstKey`] -> [`OrigDst`]. Written by `capture_sockops` when a
+/// captured socket sends its SYN (the client's port is known by then); read
+/// and deleted by userspace when the outbound listener accepts the
+/// connection, and deleted by `capture_sockops` when a captured socket
+/// closes without having been accepted. A plain hash, not an LRU: an entry
+/// is never evicted while its connection waits in the accept queue, and a
+/// full map makes that one connection fail (ztunnel finds no record and
+/// resets it) instead of silently dropping someone else's record.
 pub const MAP_ORIG_DST: &str = "ORIG_DST";
 /// Per-CPU array of `u64`, indexed by [`Counter`]. Written by every program,
 /// read (summed over CPUs) by userspace for metrics and tests.
@@ -44,6 +52,22 @@ pub const MAP_LOCAL_LEG_SOCKETS: &str = "LOCAL_LEG_SOCKETS";
 /// one direction could reorder bytes at the receiver, which reads the
 /// redirected queue first. LRU, so closed sockets age out.
 pub const MAP_LOCAL_LEG_TCP_ONLY: &str = "LOCAL_LEG_TCP_ONLY";
+/// [`ListenerKey`] -> listening socket. Written by userspace on enrolment
+/// with each pod's plaintext-inbound (15006) and HBONE (15008) listeners,
+/// under each of the pod's addresses; read by `capture_lookup` (`sk_lookup`),
+/// which hands every new inbound connection to one of them. The kernel
+/// removes a socket from the map when it closes, so a dead ztunnel leaves no
+/// listener to steer to and `capture_lookup` drops (fail closed).
+pub const MAP_POD_LISTENERS: &str = "POD_LISTENERS";
+/// [`LegKey`] -> `u8` (1). Written by userspace just before one of
+/// ztunnel's transparent legs to a pod's application connects (source = the
+/// original client's address, so `sk_lookup` cannot tell it from that client
+/// by its addresses or by its interface: the kernel reports the interface
+/// holding the pod's address, not `lo`, for locally delivered packets), and
+/// deleted once the connect returns; read by `capture_lookup`, which leaves
+/// such a SYN to the normal lookup so it reaches the application instead of
+/// being steered back to ztunnel.
+pub const MAP_INBOUND_LEGS: &str = "INBOUND_LEGS";
 /// Array with one [`CaptureSettings`]. Written by userspace at start-up; read
 /// by `capture_sockops`.
 pub const MAP_SETTINGS: &str = "CAPTURE_SETTINGS";
@@ -51,12 +75,15 @@ pub const MAP_SETTINGS: &str = "CAPTURE_SETTINGS";
 /// Enrolled pods per node. Kubernetes' default is 110 pods per node; 4096
 /// leaves room for dense nodes without costing much (16 bytes an entry).
 pub const MAX_PODS: u32 = 4096;
-/// Connections whose original destination is in flight between `connect()`
-/// and ztunnel's `accept()`. Only a burst of simultaneous connects is ever in
-/// here; LRU eviction bounds the rest.
+/// Connections whose original destination is in flight between the SYN and
+/// ztunnel's `accept()` (or the client's close). Only a burst of
+/// simultaneous connects is ever in here.
 pub const MAX_PENDING_CONNECTIONS: u32 = 65536;
 /// Sockets in the acceleration map: two per accelerated local leg.
 pub const MAX_LOCAL_LEG_SOCKETS: u32 = 65536;
+/// Listener entries: two ports per pod address, two addresses (v4 + v6) per
+/// pod, [`MAX_PODS`] pods.
+pub const MAX_POD_LISTENERS: u32 = MAX_PODS * 4;
 /// Configured exclusion entries (ports or CIDRs) per list.
 pub const MAX_EXCLUSIONS: u32 = 1024;
 
@@ -82,7 +109,7 @@ pub const POD_CAPTURE_OUTBOUND: u32 = 1 << 0;
 pub const POD_CAPTURE_INBOUND: u32 = 1 << 1;
 
 /// Original destination of a captured connection, the value of
-/// [`MAP_ORIG_DST_BY_COOKIE`] and [`MAP_ORIG_DST`].
+/// [`MAP_ORIG_DST_BY_SOCKET`] and [`MAP_ORIG_DST`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OrigDst {
@@ -113,6 +140,38 @@ pub struct OrigDstKey {
     pub _pad: [u8; 6],
 }
 const _: () = assert!(core::mem::size_of::<OrigDstKey>() == 32);
+
+/// Key of [`MAP_POD_LISTENERS`]: a pod address and one of ztunnel's inbound
+/// ports. Keyed by address rather than network namespace because an
+/// `sk_lookup` program cannot read its namespace's cookie; pod addresses are
+/// unique on a node, and a destination address that is not a known pod
+/// address finds no listener and is dropped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ListenerKey {
+    /// The pod's address, network order (IPv4 v4-mapped).
+    pub addr: IpBytes,
+    /// [`crate::INBOUND_PLAINTEXT_PORT`] or [`crate::INBOUND_HBONE_PORT`],
+    /// host order.
+    pub port: u32,
+}
+const _: () = assert!(core::mem::size_of::<ListenerKey>() == 20);
+
+/// Key of [`MAP_INBOUND_LEGS`]: the 4-tuple of a leg's SYN as the pod
+/// receives it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LegKey {
+    /// The pod's address the leg connects to, network order (v4-mapped).
+    pub local_addr: IpBytes,
+    /// The leg's (transparent) source address, network order (v4-mapped).
+    pub remote_addr: IpBytes,
+    /// The application's port, host order.
+    pub local_port: u16,
+    /// The leg's source port, host order.
+    pub remote_port: u16,
+}
+const _: () = assert!(core::mem::size_of::<LegKey>() == 36);
 
 /// Key of [`MAP_LOCAL_LEG_SOCKETS`]: one end of a pod-local TCP connection.
 #[repr(C)]
@@ -165,6 +224,8 @@ pub const fn v4_mapped(octets: [u8; 4]) -> IpBytes {
 }
 
 /// Indices into [`MAP_COUNTERS`]. Append only: the value is the map index.
+/// (Indices 13 to 16 counted the TC steering decisions before steering moved
+/// to `sk_lookup`; they now count the `sk_lookup` decisions.)
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Counter {
@@ -184,7 +245,7 @@ pub enum Counter {
     PeernameRestored,
     /// `sock_ops` established callbacks seen.
     SockopsEstablished,
-    /// Original destinations moved into [`MAP_ORIG_DST`].
+    /// Original destinations put into [`MAP_ORIG_DST`].
     OrigDstRecorded,
     /// Sockets put into [`MAP_LOCAL_LEG_SOCKETS`].
     LocalLegInserted,
@@ -192,21 +253,35 @@ pub enum Counter {
     LocalLegRedirected,
     /// `sk_msg` payloads that went the normal way (peer not in the map).
     LocalLegPassed,
-    /// TCP packets seen by `capture_ingress`.
+    /// TCP packets seen by `capture_ingress` (TC, counting only).
     IngressTcpSeen,
-    /// New inbound connections assigned to the plaintext-inbound listener.
-    IngressAssigned,
-    /// SYNs to the HBONE port let through.
-    IngressHbonePassed,
-    /// SYNs let through because of a configured exclusion.
-    IngressExcluded,
-    /// SYNs dropped because no plaintext-inbound listener exists (fail closed).
-    IngressNoListener,
+    /// New inbound connections `capture_lookup` handed to the plaintext-inbound listener (15006).
+    LookupSteeredPlaintext,
+    /// New inbound connections `capture_lookup` handed to the HBONE listener (15008).
+    LookupSteeredHbone,
+    /// New inbound connections left to the normal lookup because of a configured exclusion.
+    LookupExcluded,
+    /// New inbound connections dropped because the pod has no ztunnel listener for them (ztunnel gone, or an address that is not the pod's): fail closed.
+    LookupNoListener,
+    /// Connects refused (`EPERM`) because the original destination could not be stored: fail closed.
+    ConnectRefusedNoRecord,
+    /// Original destinations that could not be put into [`MAP_ORIG_DST`]; ztunnel finds no record and resets the connection.
+    OrigDstInsertFailed,
+    /// [`MAP_ORIG_DST`] entries removed because their connection closed before ztunnel accepted it.
+    OrigDstRemovedAtClose,
+    /// New connections from the pod's own loopback (its applications, ztunnel's legs to them) left to the normal lookup.
+    LookupLoopbackPassed,
+    /// IPv4 fragments seen by `capture_ingress` (TC, counting only).
+    IngressFragmentSeen,
+    /// IPv6 packets with an extension header before the transport header, seen by `capture_ingress`.
+    IngressIpv6ExtSeen,
+    /// SYNs of ztunnel's own transparent legs to an application, left to the normal lookup.
+    LookupLegPassed,
 }
 
 impl Counter {
     /// Number of counters (the array's size).
-    pub const COUNT: u32 = Self::IngressNoListener as u32 + 1;
+    pub const COUNT: u32 = Self::LookupLegPassed as u32 + 1;
     /// All counters, in index order.
     pub const ALL: [Self; Self::COUNT as usize] = [
         Self::Connect4Seen,
@@ -222,10 +297,17 @@ impl Counter {
         Self::LocalLegRedirected,
         Self::LocalLegPassed,
         Self::IngressTcpSeen,
-        Self::IngressAssigned,
-        Self::IngressHbonePassed,
-        Self::IngressExcluded,
-        Self::IngressNoListener,
+        Self::LookupSteeredPlaintext,
+        Self::LookupSteeredHbone,
+        Self::LookupExcluded,
+        Self::LookupNoListener,
+        Self::ConnectRefusedNoRecord,
+        Self::OrigDstInsertFailed,
+        Self::OrigDstRemovedAtClose,
+        Self::LookupLoopbackPassed,
+        Self::IngressFragmentSeen,
+        Self::IngressIpv6ExtSeen,
+        Self::LookupLegPassed,
     ];
 
     /// Snake-case name used in metrics and dumps.
@@ -245,10 +327,17 @@ impl Counter {
             Self::LocalLegRedirected => "local_leg_redirected",
             Self::LocalLegPassed => "local_leg_passed",
             Self::IngressTcpSeen => "ingress_tcp_seen",
-            Self::IngressAssigned => "ingress_assigned",
-            Self::IngressHbonePassed => "ingress_hbone_passed",
-            Self::IngressExcluded => "ingress_excluded",
-            Self::IngressNoListener => "ingress_no_listener",
+            Self::LookupSteeredPlaintext => "lookup_steered_plaintext",
+            Self::LookupSteeredHbone => "lookup_steered_hbone",
+            Self::LookupExcluded => "lookup_excluded",
+            Self::LookupNoListener => "lookup_no_listener",
+            Self::ConnectRefusedNoRecord => "connect_refused_no_record",
+            Self::OrigDstInsertFailed => "orig_dst_insert_failed",
+            Self::OrigDstRemovedAtClose => "orig_dst_removed_at_close",
+            Self::LookupLoopbackPassed => "lookup_loopback_passed",
+            Self::IngressFragmentSeen => "ingress_fragment_seen",
+            Self::IngressIpv6ExtSeen => "ingress_ipv6_ext_seen",
+            Self::LookupLegPassed => "lookup_leg_passed",
         }
     }
 }
@@ -262,5 +351,7 @@ mod pod_impls {
     unsafe impl aya::Pod for super::OrigDst {}
     unsafe impl aya::Pod for super::OrigDstKey {}
     unsafe impl aya::Pod for super::SockKey {}
+    unsafe impl aya::Pod for super::ListenerKey {}
+    unsafe impl aya::Pod for super::LegKey {}
     unsafe impl aya::Pod for super::CaptureSettings {}
 }

@@ -1,22 +1,25 @@
 //! ztunnel's kernel programs.
 //!
-//! | program                | hook                     | reads                                   | writes                         |
-//! |------------------------|--------------------------|-----------------------------------------|--------------------------------|
-//! | `capture_connect4/6`   | `cgroup/connect4`/`6`    | `POD_CAPTURE`, exclusions, socket mark  | `ORIG_DST_BY_COOKIE`, the dst    |
-//! | `capture_sockops`      | `sockops` (cgroup)       | `ORIG_DST_BY_COOKIE`, `CAPTURE_SETTINGS`  | `ORIG_DST`, `LOCAL_LEG_SOCKETS`|
-//! | `accelerate_local_leg` | `sk_msg` on the sockhash | `LOCAL_LEG_SOCKETS`                     | (redirects payload)            |
-//! | `capture_ingress`      | TC ingress on pod `eth0` | packet headers, exclusions, sockets     | `bpf_sk_assign` to 15006       |
+//! | program                | hook                          | reads                                       | writes                                  |
+//! |------------------------|-------------------------------|---------------------------------------------|-----------------------------------------|
+//! | `capture_connect4/6`   | `cgroup/connect4`/`6`         | `POD_CAPTURE`, exclusions, socket mark      | `ORIG_DST_BY_SOCKET`, the destination   |
+//! | `capture_getpeername4/6` | `cgroup/getpeername4`/`6`   | `ORIG_DST_BY_SOCKET`                        | the address `getpeername()` returns     |
+//! | `capture_sockops`      | `sockops` (cgroup)            | `ORIG_DST_BY_SOCKET`, `CAPTURE_SETTINGS`    | `ORIG_DST`, `LOCAL_LEG_SOCKETS`         |
+//! | `accelerate_local_leg` | `sk_msg` on the sockhash      | `LOCAL_LEG_SOCKETS`                         | (redirects payload)                     |
+//! | `capture_lookup`       | `sk_lookup` in each pod netns | `POD_LISTENERS`, exclusions                 | the listener a new connection goes to   |
+//! | `capture_ingress`      | TC ingress on pod `eth0`      | packet headers                              | counters only                           |
 //!
-//! Every program counts what it did in `CAPTURE_COUNTERS`. None of them
-//! rejects a `connect()` or drops a packet it does not own, with one
-//! exception that is deliberate: an inbound SYN for an enrolled pod whose
-//! plaintext-inbound listener is gone is dropped, because letting it reach
-//! the application would bypass the mesh (fail closed).
+//! Every program counts what it did in `CAPTURE_COUNTERS`. Two refuse on
+//! purpose, to fail closed: `capture_connect4/6` refuse a connect whose
+//! original destination cannot be stored, and `capture_lookup` drops a new
+//! inbound connection of an enrolled pod when ztunnel has no listener for
+//! it. Nothing else is rejected or dropped.
 #![no_std]
 #![no_main]
 
 mod accel;
 mod inbound;
+mod lookup;
 mod maps;
 mod net;
 mod outbound;

@@ -5,12 +5,14 @@
 //! who writes and who reads each map.
 
 use aya_ebpf::{
-    macros::map,
+    bindings::{BPF_F_NO_PREALLOC, BPF_SK_STORAGE_GET_F_CREATE, bpf_map_type},
+    helpers::generated::bpf_sk_storage_get,
+    macros::{btf_map, map},
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SockHash},
 };
 use ztunnel_common::{
-    CaptureSettings, Counter, IpBytes, MAX_EXCLUSIONS, MAX_LOCAL_LEG_SOCKETS,
-    MAX_PENDING_CONNECTIONS, MAX_PODS, OrigDst, OrigDstKey, PodCapture, SockKey,
+    CaptureSettings, Counter, IpBytes, LegKey, ListenerKey, MAX_EXCLUSIONS, MAX_LOCAL_LEG_SOCKETS,
+    MAX_PENDING_CONNECTIONS, MAX_POD_LISTENERS, MAX_PODS, OrigDst, OrigDstKey, PodCapture, SockKey,
 };
 
 /// `BPF_F_NO_PREALLOC`: LPM tries require it.
@@ -19,13 +21,17 @@ const NO_PREALLOC: u32 = 1;
 #[map(name = "POD_CAPTURE")]
 pub static POD_CAPTURE: HashMap<u64, PodCapture> = HashMap::pinned(MAX_PODS, 0);
 
-#[map(name = "ORIG_DST_BY_COOKIE")]
-pub static ORIG_DST_BY_COOKIE: LruHashMap<u64, OrigDst> =
-    LruHashMap::pinned(MAX_PENDING_CONNECTIONS, 0);
+#[btf_map(name = "ORIG_DST_BY_SOCKET")]
+pub static ORIG_DST_BY_SOCKET: PinnedSkStorage<OrigDst> = PinnedSkStorage::new();
 
 #[map(name = "ORIG_DST")]
-pub static ORIG_DST: LruHashMap<OrigDstKey, OrigDst> =
-    LruHashMap::pinned(MAX_PENDING_CONNECTIONS, 0);
+pub static ORIG_DST: HashMap<OrigDstKey, OrigDst> = HashMap::pinned(MAX_PENDING_CONNECTIONS, 0);
+
+#[map(name = "INBOUND_LEGS")]
+pub static INBOUND_LEGS: HashMap<LegKey, u8> = HashMap::pinned(MAX_PENDING_CONNECTIONS, 0);
+
+#[map(name = "POD_LISTENERS")]
+pub static POD_LISTENERS: SockHash<ListenerKey> = SockHash::pinned(MAX_POD_LISTENERS, 0);
 
 #[map(name = "CAPTURE_COUNTERS")]
 pub static CAPTURE_COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(Counter::COUNT, 0);
@@ -53,6 +59,84 @@ pub static LOCAL_LEG_TCP_ONLY: LruHashMap<SockKey, u8> =
 
 #[map(name = "CAPTURE_SETTINGS")]
 pub static CAPTURE_SETTINGS: Array<CaptureSettings> = Array::pinned(1, 0);
+
+/// `LIBBPF_PIN_BY_NAME`: the loader pins the map under its name.
+const PIN_BY_NAME: usize = 1;
+
+/// A socket-local storage map (`BPF_MAP_TYPE_SK_STORAGE`), declared the BTF
+/// way because the kernel wants BTF for the value of such maps. aya-ebpf's
+/// own `SkStorage` has no `pinning` member and only works from `sock_addr`
+/// programs; this one is pinned like every other map (a restarted ztunnel
+/// keeps the records of connections that are already open) and takes the
+/// socket pointer from any program type. The members are never read: the
+/// loader reads their BTF types (`[i32; N]` encodes the number N).
+#[repr(C)]
+pub struct PinnedSkStorage<T> {
+    r#type: *const [i32; bpf_map_type::BPF_MAP_TYPE_SK_STORAGE as usize],
+    key: *const i32,
+    value: *const T,
+    max_entries: *const [i32; 0],
+    map_flags: *const [i32; BPF_F_NO_PREALLOC as usize],
+    pinning: *const [i32; PIN_BY_NAME],
+}
+
+// SAFETY: the members are placeholders that are never dereferenced; the
+// kernel does its own locking on the storage itself.
+unsafe impl<T> Sync for PinnedSkStorage<T> {}
+
+impl<T> PinnedSkStorage<T> {
+    /// The placeholder value the loader replaces with the map.
+    pub const fn new() -> Self {
+        Self {
+            r#type: core::ptr::null(),
+            key: core::ptr::null(),
+            value: core::ptr::null(),
+            max_entries: core::ptr::null(),
+            map_flags: core::ptr::null(),
+            pinning: core::ptr::null(),
+        }
+    }
+
+    /// The storage of socket `sk`, if it has one.
+    ///
+    /// # Safety
+    /// `sk` must be a socket pointer the verifier accepts for
+    /// `bpf_sk_storage_get` (a full socket from the program's context).
+    #[inline(always)]
+    pub unsafe fn get(&self, sk: *mut core::ffi::c_void) -> Option<&mut T> {
+        // SAFETY: forwarded from the caller; the map pointer is this static.
+        let ptr = unsafe {
+            bpf_sk_storage_get(
+                core::ptr::from_ref(self).cast_mut().cast(),
+                sk,
+                core::ptr::null_mut(),
+                0,
+            )
+        };
+        // SAFETY: a non-null result points to this socket's value.
+        unsafe { ptr.cast::<T>().as_mut() }
+    }
+
+    /// The storage of socket `sk`, created (zeroed) when missing. `None`
+    /// when the kernel could not allocate it.
+    ///
+    /// # Safety
+    /// As for [`Self::get`].
+    #[inline(always)]
+    pub unsafe fn get_or_create(&self, sk: *mut core::ffi::c_void) -> Option<&mut T> {
+        // SAFETY: as above.
+        let ptr = unsafe {
+            bpf_sk_storage_get(
+                core::ptr::from_ref(self).cast_mut().cast(),
+                sk,
+                core::ptr::null_mut(),
+                u64::from(BPF_SK_STORAGE_GET_F_CREATE),
+            )
+        };
+        // SAFETY: as above.
+        unsafe { ptr.cast::<T>().as_mut() }
+    }
+}
 
 /// Adds one to a counter. Per-CPU, so no atomics are needed.
 #[inline(always)]

@@ -5,16 +5,16 @@
 //! destination that is not loopback or excluded, by a socket that does not
 //! carry ztunnel's mark, is rewritten to the pod's own outbound listener on
 //! loopback (127.0.0.1:15001, or `[::1]:15001`). The original destination is
-//! stored under the socket's cookie; `capture_sockops` moves it to a key that
+//! stored in the socket's own storage (`ORIG_DST_BY_SOCKET`), which lives
+//! exactly as long as the socket; `capture_sockops` copies it to a key that
 //! ztunnel can compute from `accept()` once the client's port is known.
 //!
-//! The connect is never rejected here: if ztunnel is gone the listener is
-//! gone too and the application gets "connection refused" (fail closed).
+//! Fail closed: a connect whose original destination cannot be stored is
+//! refused (`EPERM`), never let through un-rewritten. If ztunnel is gone the
+//! listener is gone too and the application gets "connection refused".
 
 use aya_ebpf::{
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
-    macros::cgroup_sock_addr,
-    programs::SockAddrContext,
+    helpers::bpf_get_netns_cookie, macros::cgroup_sock_addr, programs::SockAddrContext,
 };
 use ztunnel_common::{
     AF_INET, AF_INET6, Counter, IpBytes, OUTBOUND_PORT, OrigDst, POD_CAPTURE_OUTBOUND,
@@ -23,7 +23,7 @@ use ztunnel_common::{
 
 use crate::{
     maps::{
-        ORIG_DST_BY_COOKIE, OUTBOUND_EXCLUDED_CIDRS, OUTBOUND_EXCLUDED_PORTS, POD_CAPTURE, count,
+        ORIG_DST_BY_SOCKET, OUTBOUND_EXCLUDED_CIDRS, OUTBOUND_EXCLUDED_PORTS, POD_CAPTURE, count,
         in_cidrs, port_listed,
     },
     net::{ip4_key, ip6_key, is_loopback, is_v4_mapped},
@@ -31,29 +31,60 @@ use crate::{
 
 /// Verdict that lets the `connect()` proceed (rewritten or not).
 const ALLOW: i32 = 1;
+/// Verdict that fails the `connect()` with `EPERM`.
+const REFUSE: i32 = 0;
 const IPPROTO_TCP: u32 = 6;
 
 #[cgroup_sock_addr(connect4)]
 pub fn capture_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
-    let _ = unsafe { try_capture(&ctx, false) };
-    ALLOW
+    verdict(unsafe { try_capture(&ctx, false) })
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn capture_connect6(ctx: SockAddrContext) -> i32 {
     // SAFETY: as above.
-    let _ = unsafe { try_capture(&ctx, true) };
-    ALLOW
+    verdict(unsafe { try_capture(&ctx, true) })
 }
 
-/// Decides and, where captured, rewrites. `Err` means "left alone".
-unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
+/// What the connect hook decided.
+enum Decision {
+    /// Not ours to capture: proceed unchanged.
+    LeftAlone,
+    /// Rewritten to the pod's outbound listener.
+    Captured,
+    /// Captured, but the record could not be stored: refuse.
+    Refused,
+}
+
+#[inline(always)]
+fn verdict(decision: Decision) -> i32 {
+    match decision {
+        Decision::LeftAlone | Decision::Captured => ALLOW,
+        Decision::Refused => REFUSE,
+    }
+}
+
+/// Decides and, where captured, rewrites.
+unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Decision {
+    match unsafe { classify(ctx, v6) } {
+        // SAFETY: forwarded from the caller.
+        Some((sk, orig)) => unsafe { capture(ctx, v6, sk, &orig) },
+        None => Decision::LeftAlone,
+    }
+}
+
+/// The socket and original destination of a connect that must be captured,
+/// or `None` for one that is not ours.
+unsafe fn classify(
+    ctx: &SockAddrContext,
+    v6: bool,
+) -> Option<(*mut aya_ebpf::bindings::bpf_sock, OrigDst)> {
     let sa = ctx.sock_addr;
     // SAFETY: `sa` is the kernel's context; the verifier checks each access.
     let (protocol, sk) = unsafe { (ctx_access::protocol(sa), ctx_access::sk(sa)) };
     if protocol != IPPROTO_TCP {
-        return Err(());
+        return None;
     }
     count(if v6 {
         Counter::Connect6Seen
@@ -62,12 +93,12 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     });
 
     if sk.is_null() {
-        return Err(());
+        return None;
     }
     // SAFETY: `sk` is non-null and a full socket in connect hooks.
     if unsafe { (*sk).mark } & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
         count(Counter::ConnectSkippedMark);
-        return Err(());
+        return None;
     }
 
     // SAFETY: valid context pointer for this helper in sock_addr programs.
@@ -75,11 +106,11 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     // SAFETY: plain-data value, only read.
     let Some(pod) = (unsafe { POD_CAPTURE.get(&netns) }) else {
         count(Counter::ConnectNotEnrolled);
-        return Err(());
+        return None;
     };
     if pod.flags & POD_CAPTURE_OUTBOUND == 0 {
         count(Counter::ConnectNotEnrolled);
-        return Err(());
+        return None;
     }
 
     // SAFETY: `sa` is the live context.
@@ -101,7 +132,7 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     let port = u16::from_be(port_be as u16);
     if excluded(&dst, port) {
         count(Counter::ConnectExcluded);
-        return Err(());
+        return None;
     }
 
     let orig = OrigDst {
@@ -110,13 +141,26 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         family,
         _pad: 0,
     };
-    // SAFETY: valid context pointer for this helper in sock_addr programs.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    Some((sk, orig))
+}
+
+/// Stores the record in the socket's storage, then rewrites the destination.
+unsafe fn capture(
+    ctx: &SockAddrContext,
+    v6: bool,
+    sk: *mut aya_ebpf::bindings::bpf_sock,
+    orig: &OrigDst,
+) -> Decision {
+    let sa = ctx.sock_addr;
     // Without a record ztunnel could not know where to send the connection,
-    // so only rewrite once the record is stored.
-    ORIG_DST_BY_COOKIE
-        .insert(&cookie, &orig, 0)
-        .map_err(|_| ())?;
+    // and letting it through un-rewritten would bypass the mesh: refuse.
+    // SAFETY: `sk` is the context's full socket (checked non-null).
+    let Some(slot) = (unsafe { ORIG_DST_BY_SOCKET.get_or_create(sk.cast()) }) else {
+        count(Counter::ConnectRefusedNoRecord);
+        return Decision::Refused;
+    };
+    *slot = *orig;
+    let dst = orig.addr;
 
     let listener_port_be = u32::from(OUTBOUND_PORT.to_be());
     // SAFETY: writes to the user_* fields are what connect hooks are for.
@@ -141,7 +185,7 @@ unsafe fn try_capture(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
         ctx_access::set_user_port(sa, listener_port_be);
     }
     count(Counter::ConnectRedirected);
-    Ok(())
+    Decision::Captured
 }
 
 #[cgroup_sock_addr(getpeername4)]
@@ -163,11 +207,14 @@ pub fn capture_getpeername6(ctx: SockAddrContext) -> i32 {
 /// for, so that nothing in the application can tell it was redirected.
 unsafe fn restore_peername(ctx: &SockAddrContext, v6: bool) -> Result<(), ()> {
     let sa = ctx.sock_addr;
-    // SAFETY: valid context pointer for this helper in sock_addr programs.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    // SAFETY: plain-data value, copied out.
-    let orig = unsafe { ORIG_DST_BY_COOKIE.get(&cookie) }
-        .copied()
+    // SAFETY: the live context.
+    let sk = unsafe { ctx_access::sk(sa) };
+    if sk.is_null() {
+        return Err(());
+    }
+    // SAFETY: a full socket from the context; the value is copied out.
+    let orig = unsafe { ORIG_DST_BY_SOCKET.get(sk.cast()) }
+        .map(|o| *o)
         .ok_or(())?;
     // SAFETY: writes to the user_* fields are what these hooks are for.
     unsafe {

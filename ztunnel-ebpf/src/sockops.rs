@@ -1,17 +1,27 @@
-//! `sock_ops` on the capture cgroup: runs when a TCP socket of a process in
-//! the cgroup becomes established.
+//! `sock_ops` on the capture cgroup: runs at points in the life of the TCP
+//! sockets of processes in the cgroup.
 //!
-//! - Active side of a captured connection: the client's local port is now
-//!   known, so the original destination recorded by `capture_connect4/6`
-//!   under the socket cookie is copied to `ORIG_DST`, keyed by what ztunnel's
-//!   `accept()` sees as the peer address (plus the pod's netns cookie).
+//! - `TCP_CONNECT_CB` (a captured socket is about to send its SYN): the
+//!   client's local port is known by now, so the original destination that
+//!   `capture_connect4/6` put in the socket's storage is copied to
+//!   `ORIG_DST`, keyed by what ztunnel's `accept()` sees as the peer address
+//!   (plus the pod's netns cookie), before ztunnel can possibly accept. The
+//!   socket is also asked for state callbacks.
+//! - `STATE_CB` to `CLOSE` of such a socket: its `ORIG_DST` entry is deleted.
+//!   ztunnel deletes the entries it takes at `accept()`; this removes those
+//!   of connections that ended before ztunnel accepted them, so the map
+//!   never fills up with churn.
 //! - With `--sockmap on`, both ends of a pod-local leg (the application and
 //!   ztunnel's outbound listener, over loopback) go into `LOCAL_LEG_SOCKETS`,
 //!   where `accelerate_local_leg` moves payload between them directly.
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB},
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    bindings::{
+        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        BPF_TCP_CLOSE, bpf_sock_ops,
+    },
+    helpers::{bpf_get_netns_cookie, bpf_sock_ops_cb_flags_set},
     macros::sock_ops,
     programs::SockOpsContext,
 };
@@ -20,7 +30,7 @@ use core::mem::MaybeUninit;
 use ztunnel_common::{Counter, OUTBOUND_PORT, OrigDstKey, SockKey};
 
 use crate::{
-    maps::{LOCAL_LEG_SOCKETS, ORIG_DST, ORIG_DST_BY_COOKIE, POD_CAPTURE, count, sockmap_enabled},
+    maps::{LOCAL_LEG_SOCKETS, ORIG_DST, ORIG_DST_BY_SOCKET, POD_CAPTURE, count, sockmap_enabled},
     net::{SockFields, is_loopback, remote_port_host, snapshot_sock_ops, sock_ops_op},
 };
 
@@ -35,6 +45,14 @@ pub fn capture_sockops(ctx: SockOpsContext) -> u32 {
 unsafe fn try_capture_sockops(ctx: &SockOpsContext) -> Result<(), ()> {
     // SAFETY: the live context.
     let op = unsafe { sock_ops_op(ctx.ops) };
+    if op == BPF_SOCK_OPS_TCP_CONNECT_CB {
+        // SAFETY: forwarded.
+        return unsafe { record_orig_dst(ctx) };
+    }
+    if op == BPF_SOCK_OPS_STATE_CB {
+        // SAFETY: forwarded.
+        return unsafe { forget_orig_dst(ctx) };
+    }
     let active = op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB;
     if !active && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
         return Ok(());
@@ -54,24 +72,6 @@ unsafe fn try_capture_sockops(ctx: &SockOpsContext) -> Result<(), ()> {
     let remote_port = remote_port_host(fields.remote_port);
     // SAFETY: valid context pointer for this helper in sock_ops programs.
     let netns = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
-
-    if active {
-        // SAFETY: valid context pointer for this helper in sock_ops programs.
-        let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
-        // SAFETY: plain-data value, copied out before the entry is removed.
-        if let Some(orig) = unsafe { ORIG_DST_BY_COOKIE.get(&cookie) }.copied() {
-            let key = OrigDstKey {
-                netns_cookie: netns,
-                client_addr: local,
-                client_port: local_port,
-                _pad: [0; 6],
-            };
-            if ORIG_DST.insert(&key, &orig, 0).is_ok() {
-                count(Counter::OrigDstRecorded);
-            }
-            // The by-cookie entry stays: getpeername() still needs it.
-        }
-    }
 
     if !sockmap_enabled() || !is_loopback(&local) || !is_loopback(&remote) {
         return Ok(());
@@ -101,4 +101,82 @@ unsafe fn try_capture_sockops(ctx: &SockOpsContext) -> Result<(), ()> {
         count(Counter::LocalLegInserted);
     }
     Ok(())
+}
+
+/// The `ORIG_DST` key of the client socket this callback is about.
+unsafe fn client_key(ctx: &SockOpsContext) -> Option<OrigDstKey> {
+    let mut fields = MaybeUninit::<SockFields>::uninit();
+    // SAFETY: the live context and a stack slot the function fills entirely.
+    let fields = unsafe {
+        snapshot_sock_ops(ctx.ops, fields.as_mut_ptr());
+        fields.assume_init()
+    };
+    let (local, _) = fields.addrs()?;
+    // SAFETY: valid context pointer for this helper in sock_ops programs.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.ops.cast()) };
+    Some(OrigDstKey {
+        netns_cookie: netns,
+        client_addr: local,
+        client_port: fields.local_port as u16,
+        _pad: [0; 6],
+    })
+}
+
+/// `TCP_CONNECT_CB`: a socket whose storage holds an original destination
+/// (so `capture_connect4/6` redirected it) publishes it under its client
+/// address for ztunnel, and asks for state callbacks so the entry can be
+/// removed at close.
+unsafe fn record_orig_dst(ctx: &SockOpsContext) -> Result<(), ()> {
+    // SAFETY: the live context.
+    let sk = unsafe { sock_ops_sk(ctx.ops) };
+    if sk.is_null() {
+        return Err(());
+    }
+    // SAFETY: a full socket from the context; the value is copied out.
+    let orig = unsafe { ORIG_DST_BY_SOCKET.get(sk.cast()) }
+        .map(|o| *o)
+        .ok_or(())?;
+    // SAFETY: forwarded.
+    let key = unsafe { client_key(ctx) }.ok_or(())?;
+    if ORIG_DST.insert(&key, &orig, u64::from(BPF_ANY)).is_ok() {
+        count(Counter::OrigDstRecorded);
+    } else {
+        // Fail closed without a bypass: the connection still goes to the
+        // outbound listener, where ztunnel finds no record and resets it.
+        count(Counter::OrigDstInsertFailed);
+    }
+    // SAFETY: the live context; only this program sets callback flags.
+    unsafe { bpf_sock_ops_cb_flags_set(ctx.ops, BPF_SOCK_OPS_STATE_CB_FLAG as i32) };
+    Ok(())
+}
+
+/// `STATE_CB`: when a captured socket reaches `CLOSE`, its `ORIG_DST` entry
+/// (if ztunnel never took it) goes too.
+unsafe fn forget_orig_dst(ctx: &SockOpsContext) -> Result<(), ()> {
+    // SAFETY: the live context.
+    let new_state = unsafe { sock_ops_arg1(ctx.ops) };
+    if new_state != BPF_TCP_CLOSE {
+        return Ok(());
+    }
+    // SAFETY: forwarded.
+    let key = unsafe { client_key(ctx) }.ok_or(())?;
+    if ORIG_DST.remove(&key).is_ok() {
+        count(Counter::OrigDstRemovedAtClose);
+    }
+    Ok(())
+}
+
+/// `bpf_sock_ops.sk`, out of line so the access is a plain context load.
+#[inline(never)]
+unsafe fn sock_ops_sk(ctx: *const bpf_sock_ops) -> *mut aya_ebpf::bindings::bpf_sock {
+    // SAFETY: the caller passes the live context.
+    unsafe { (*ctx).__bindgen_anon_2.sk }
+}
+
+/// `bpf_sock_ops.args[1]` (the new state in `STATE_CB`), out of line for
+/// the same reason.
+#[inline(never)]
+unsafe fn sock_ops_arg1(ctx: *const bpf_sock_ops) -> u32 {
+    // SAFETY: the caller passes the live context.
+    unsafe { (*ctx).__bindgen_anon_1.args[1] }
 }

@@ -13,7 +13,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{CgroupSockAddr, SchedClassifier, SkMsg, SockOps},
+    programs::{CgroupSockAddr, SchedClassifier, SkLookup, SkMsg, SockOps},
 };
 
 use crate::{
@@ -39,8 +39,10 @@ pub mod program {
     pub const SOCKOPS: &str = "capture_sockops";
     /// `sk_msg` on the local-leg sockhash.
     pub const SK_MSG: &str = "accelerate_local_leg";
-    /// TC ingress on pod `eth0`.
+    /// TC ingress on pod `eth0` (counters only).
     pub const INGRESS: &str = "capture_ingress";
+    /// `sk_lookup` in each enrolled pod's network namespace.
+    pub const LOOKUP: &str = "capture_lookup";
 }
 
 /// Errors of loading.
@@ -154,6 +156,11 @@ pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
     let prog: &mut SchedClassifier = program_mut(&mut ebpf, program::INGRESS)?;
     prog.load().map_err(|source| LoaderError::Program {
         name: program::INGRESS,
+        source,
+    })?;
+    let prog: &mut SkLookup = program_mut(&mut ebpf, program::LOOKUP)?;
+    prog.load().map_err(|source| LoaderError::Program {
+        name: program::LOOKUP,
         source,
     })?;
 

@@ -65,9 +65,14 @@ const PROGRAMS: &[(ProgramType, &str, &str)] = &[
         "the original destination of captured connections cannot be recorded",
     ),
     (
+        ProgramType::SkLookup,
+        "BPF_PROG_TYPE_SK_LOOKUP (kernel >= 5.9; ingress_ifindex >= 5.17)",
+        "inbound capture: connections to pods cannot be steered to ztunnel at socket lookup",
+    ),
+    (
         ProgramType::SchedClassifier,
         "BPF_PROG_TYPE_SCHED_CLS (TC ingress)",
-        "inbound capture: connections to pods cannot be steered to ztunnel",
+        "inbound packet counters (fragments, IPv6 extension headers) are unavailable",
     ),
     (
         ProgramType::SkMsg,
@@ -91,7 +96,12 @@ const MAPS: &[(MapType, &str, &str)] = &[
     (
         MapType::LruHash,
         "BPF_MAP_TYPE_LRU_HASH",
-        "original destinations cannot be tracked with bounded memory",
+        "sockmap acceleration cannot remember which directions must stay on TCP",
+    ),
+    (
+        MapType::SkStorage,
+        "BPF_MAP_TYPE_SK_STORAGE",
+        "the original destination of a captured socket cannot live as long as the socket",
     ),
 ];
 
@@ -105,6 +115,14 @@ pub fn check_kernel() -> Result<(), ProbeError> {
         return Err(ProbeError::NoBtf);
     }
     let mut missing = Vec::new();
+    if aya::util::KernelVersion::current()
+        .is_ok_and(|v| v < aya::util::KernelVersion::new(MIN_KERNEL.0, MIN_KERNEL.1, 0))
+    {
+        missing.push(MissingHook {
+            hook: "sk_lookup ingress_ifindex (kernel >= 5.17)",
+            why: "inbound capture cannot tell traffic from outside the pod from its loopback",
+        });
+    }
     for (ty, hook, why) in PROGRAMS {
         if !is_program_supported(*ty).unwrap_or(false) {
             missing.push(MissingHook { hook, why });
@@ -121,6 +139,11 @@ pub fn check_kernel() -> Result<(), ProbeError> {
         Err(ProbeError::HookUnsupported(missing))
     }
 }
+
+/// The oldest kernel whose `sk_lookup` context has `ingress_ifindex`, which
+/// `capture_lookup` needs to tell traffic from outside the pod from the
+/// pod's own loopback traffic.
+pub const MIN_KERNEL: (u8, u8) = (5, 17);
 
 /// Whether tcx links (kernel >= 6.6) are available; otherwise TC programs are
 /// attached as clsact filters.

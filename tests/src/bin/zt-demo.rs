@@ -296,8 +296,8 @@ fn run(cli: &Cli) -> bool {
         let captured = after_src.get(Counter::ConnectRedirected)
             > before_src.get(Counter::ConnectRedirected)
             || (0..2).any(|i| {
-                after_dst[i].get(Counter::IngressAssigned)
-                    > before_dst[i].get(Counter::IngressAssigned)
+                after_dst[i].get(Counter::LookupSteeredPlaintext)
+                    > before_dst[i].get(Counter::LookupSteeredPlaintext)
             });
         let access = newest_access(
             &[(&za, access_before[0]), (&zb, access_before[1])],

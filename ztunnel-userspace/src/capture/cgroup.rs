@@ -203,7 +203,7 @@ fn take_over(pin: &Path, prog_fd: i32) -> Result<(), CaptureError> {
 }
 
 /// `bpf(BPF_OBJ_GET)`: opens a pinned object.
-fn obj_get(pin: &Path) -> std::io::Result<OwnedFd> {
+pub(crate) fn obj_get(pin: &Path) -> std::io::Result<OwnedFd> {
     const BPF_OBJ_GET: libc::c_long = 7;
     #[repr(C)]
     struct ObjGetAttr {

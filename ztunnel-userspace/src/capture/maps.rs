@@ -8,9 +8,9 @@ use aya::{
     maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
 };
 use ztunnel_common::{
-    IpBytes, MAP_INBOUND_EXCLUDED_CIDRS, MAP_INBOUND_EXCLUDED_PORTS, MAP_ORIG_DST,
-    MAP_OUTBOUND_EXCLUDED_CIDRS, MAP_OUTBOUND_EXCLUDED_PORTS, MAP_POD_CAPTURE, OrigDst, OrigDstKey,
-    PodCapture, v4_mapped,
+    IpBytes, LegKey, MAP_INBOUND_EXCLUDED_CIDRS, MAP_INBOUND_EXCLUDED_PORTS, MAP_INBOUND_LEGS,
+    MAP_ORIG_DST, MAP_OUTBOUND_EXCLUDED_CIDRS, MAP_OUTBOUND_EXCLUDED_PORTS, MAP_POD_CAPTURE,
+    OrigDst, OrigDstKey, PodCapture, v4_mapped,
 };
 
 use super::{CaptureError, map_err};
@@ -204,6 +204,69 @@ impl OrigDstTable {
         let value = self.map.get(&key, 0).ok()?;
         let _ = self.map.remove(&key);
         Some(SocketAddr::new(ip_from_bytes(value.addr), value.port))
+    }
+}
+
+/// The `INBOUND_LEGS` map, taken out of the object: ztunnel lists each of
+/// its transparent legs to an application there for the moment of the
+/// connect, so `capture_lookup` does not steer the leg's SYN back to ztunnel.
+pub struct InboundLegTable {
+    map: std::sync::Mutex<HashMap<MapData, LegKey, u8>>,
+}
+
+impl std::fmt::Debug for InboundLegTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InboundLegTable")
+    }
+}
+
+/// A listed leg; dropping it removes the entry (the connect has returned,
+/// or failed, by then).
+#[derive(Debug)]
+pub struct ListedLeg<'a> {
+    table: &'a InboundLegTable,
+    key: LegKey,
+}
+
+impl Drop for ListedLeg<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut map) = self.table.map.lock() {
+            let _ = map.remove(&self.key);
+        }
+    }
+}
+
+impl InboundLegTable {
+    /// Takes the map out of `ebpf`.
+    pub fn take(ebpf: &mut Ebpf) -> Result<Self, CaptureError> {
+        let map = ebpf
+            .take_map(MAP_INBOUND_LEGS)
+            .ok_or_else(|| map_err(MAP_INBOUND_LEGS, "not in the object"))?;
+        Ok(Self {
+            map: std::sync::Mutex::new(
+                HashMap::try_from(map).map_err(|e| map_err(MAP_INBOUND_LEGS, e))?,
+            ),
+        })
+    }
+
+    /// Lists the leg from `source` (ztunnel's bound transparent address) to
+    /// `dst` (the application) until the returned guard is dropped. An
+    /// error means the leg must not connect: its SYN would be steered back
+    /// to ztunnel.
+    pub fn list(&self, source: SocketAddr, dst: SocketAddr) -> Result<ListedLeg<'_>, CaptureError> {
+        let key = LegKey {
+            local_addr: ip_bytes(dst.ip()),
+            remote_addr: ip_bytes(source.ip()),
+            local_port: dst.port(),
+            remote_port: source.port(),
+        };
+        let mut map = self
+            .map
+            .lock()
+            .map_err(|_| map_err(MAP_INBOUND_LEGS, "lock poisoned"))?;
+        map.insert(key, 1, 0)
+            .map_err(|e| map_err(MAP_INBOUND_LEGS, format!("{source} -> {dst}: {e}")))?;
+        Ok(ListedLeg { table: self, key })
     }
 }
 

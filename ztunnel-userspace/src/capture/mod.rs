@@ -3,13 +3,16 @@
 //!
 //! - [`cgroup`]: `connect4`/`connect6`/`sock_ops` on the capture cgroup
 //!   (multi-attach links, pinned), and `sk_msg` on the local-leg sockhash.
-//! - [`tc`]: the ingress program on each enrolled pod's `eth0` (tcx link,
-//!   pinned; or a clsact filter with our own priority and handle).
+//! - [`lookup`]: `sk_lookup` in each enrolled pod's network namespace, which
+//!   hands new inbound connections to the pod's 15006/15008 listeners.
+//! - [`tc`]: the counting-only ingress program on each enrolled pod's `eth0`
+//!   (tcx link, pinned; or a clsact filter with our own priority and handle).
 //! - [`counters`]: the per-CPU counters, summed.
 
 pub mod cgroup;
 pub mod counters;
 pub mod iptables;
+pub mod lookup;
 pub mod maps;
 pub mod tc;
 
@@ -69,6 +72,20 @@ pub enum CaptureError {
         /// The OS error.
         source: io::Error,
     },
+}
+
+/// A pod id as a single, safe path component for pin names: any uid works.
+pub fn pin_component(pod_id: &str) -> String {
+    pod_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// Helper: a map error from anything displayable.

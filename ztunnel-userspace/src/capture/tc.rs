@@ -1,4 +1,6 @@
 //! The TC side of capture: `capture_ingress` on an enrolled pod's `eth0`.
+//! It only counts (fragments, IPv6 extension headers, TCP packets); the
+//! steering of inbound connections is `sk_lookup`'s job (see [`super::lookup`]).
 //!
 //! Two ways to attach, both of which coexist with a CNI's own programs:
 //! - **tcx** (kernel >= 6.6): a link appended to the interface's ingress
@@ -87,17 +89,7 @@ pub enum PodIngress {
 /// Name of the pin of a pod's tcx link. Pod ids are sanitised so that any
 /// uid is a valid single path component.
 pub fn pin_name(pod_id: &str) -> String {
-    let safe: String = pod_id
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    format!("tc_{safe}")
+    format!("tc_{}", super::pin_component(pod_id))
 }
 
 /// Attaches the ingress program to `iface` inside `netns`.

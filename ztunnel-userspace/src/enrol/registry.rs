@@ -6,13 +6,17 @@ use std::{
 };
 
 use tokio::task::AbortHandle;
-use ztunnel_common::{POD_CAPTURE_INBOUND, POD_CAPTURE_OUTBOUND};
+use ztunnel_common::{
+    INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, ListenerKey, POD_CAPTURE_INBOUND,
+    POD_CAPTURE_OUTBOUND,
+};
 
 use crate::{
     bpffs::PinRoot,
     capture::{
         CaptureError,
-        maps::{self, OrigDstTable},
+        lookup::{self, InboundListener},
+        maps::{self, InboundLegTable, OrigDstTable},
         tc::{self, PodIngress, TcMode},
     },
     hbone::server::HboneServer,
@@ -116,7 +120,15 @@ struct EnrolledPod {
     source: Source,
     netns: PodNetns,
     ingress: Option<PodIngress>,
+    lookup: Option<PodLookup>,
     tasks: Vec<AbortHandle>,
+}
+
+/// A pod's `sk_lookup` attachment and the listener entries it steers to.
+#[derive(Debug)]
+struct PodLookup {
+    pin: std::path::PathBuf,
+    keys: Vec<ListenerKey>,
 }
 
 /// A row of [`PodRegistry::list`].
@@ -140,6 +152,7 @@ pub struct PodRegistry {
     pins: PinRoot,
     tc_mode: TcMode,
     orig_dst: Arc<Mutex<OrigDstTable>>,
+    legs: Option<Arc<InboundLegTable>>,
     pods: Mutex<BTreeMap<String, EnrolledPod>>,
     runtime: tokio::runtime::Handle,
     shared: Shared,
@@ -165,11 +178,17 @@ impl PodRegistry {
         exclusions: crate::capture::maps::Exclusions,
     ) -> Result<Self, CaptureError> {
         let orig_dst = OrigDstTable::take(&mut programs.ebpf)?;
+        let legs = if backend == crate::capture::Backend::Ebpf {
+            Some(Arc::new(InboundLegTable::take(&mut programs.ebpf)?))
+        } else {
+            None
+        };
         Ok(Self {
             programs: Mutex::new(programs),
             pins,
             tc_mode,
             orig_dst: Arc::new(Mutex::new(orig_dst)),
+            legs,
             pods: Mutex::new(BTreeMap::new()),
             runtime,
             shared,
@@ -210,9 +229,11 @@ impl PodRegistry {
         if let Err(e) = self.shared.certs.certified_key(&req.identity) {
             tracing::error!(pod = %uid, error = %e, "could not issue the pod's certificate");
         }
-        let sockets = SocketFactory::start(&req.netns).map_err(|source| EnrolError::Io {
-            uid: uid.clone(),
-            source,
+        let sockets = SocketFactory::start(&req.netns, self.legs.clone()).map_err(|source| {
+            EnrolError::Io {
+                uid: uid.clone(),
+                source,
+            }
         })?;
         let listeners = listeners::open(&req.netns).map_err(|e| EnrolError::Listen {
             uid: uid.clone(),
@@ -226,6 +247,10 @@ impl PodRegistry {
         if req.capture.inbound {
             flags |= POD_CAPTURE_INBOUND;
         }
+        let ips = req.netns.addresses().map_err(|e| EnrolError::Netns {
+            uid: uid.clone(),
+            source: Box::new(e),
+        })?;
         let iptables = self.backend == crate::capture::Backend::Iptables;
         if iptables {
             crate::capture::iptables::install(&req.netns, &self.exclusions).map_err(|e| {
@@ -235,33 +260,14 @@ impl PodRegistry {
                 }
             })?;
         }
-        let ingress = if iptables {
-            None
+        let (ingress, lookup) = if iptables {
+            (None, None)
         } else {
             let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
-            let ingress = if req.capture.inbound {
-                Some(
-                    tc::attach(
-                        &mut programs.ebpf,
-                        &self.pins,
-                        &req.netns,
-                        &uid,
-                        POD_INTERFACE,
-                        self.tc_mode,
-                    )
-                    .map_err(capture_err)?,
-                )
-            } else {
-                None
-            };
-            maps::set_pod(&mut programs.ebpf, cookie, flags).map_err(capture_err)?;
-            ingress
+            self.attach_kernel(&mut programs.ebpf, &req, cookie, flags, &ips, &listeners)
+                .map_err(capture_err)?
         };
 
-        let ips = req.netns.addresses().map_err(|e| EnrolError::Netns {
-            uid: uid.clone(),
-            source: Box::new(e),
-        })?;
         pod_routing::install(&req.netns).map_err(|e| EnrolError::Io {
             uid: uid.clone(),
             source: std::io::Error::other(e),
@@ -288,6 +294,7 @@ impl PodRegistry {
             source: req.source,
             netns: req.netns,
             ingress,
+            lookup,
             tasks,
         };
         tracing::info!(pod = %uid, netns = %pod.netns_name, cookie, identity = %req.identity, outbound = req.capture.outbound, inbound = req.capture.inbound, "pod enrolled");
@@ -296,6 +303,75 @@ impl PodRegistry {
             .map_err(|_| EnrolError::Poisoned)?
             .insert(uid, pod);
         Ok(true)
+    }
+
+    /// The kernel side of an enrolment, all or nothing: the listeners are
+    /// published and `sk_lookup` attached (inbound), the counting TC program
+    /// attached, and the namespace marked in `POD_CAPTURE` (outbound). A
+    /// step that fails undoes the ones before it, so a half-enrolled pod
+    /// never keeps programs that no registry entry will remove.
+    fn attach_kernel(
+        &self,
+        ebpf: &mut aya::Ebpf,
+        req: &EnrolRequest,
+        cookie: u64,
+        flags: u32,
+        ips: &[std::net::IpAddr],
+        listeners: &listeners::PodListeners,
+    ) -> Result<(Option<PodIngress>, Option<PodLookup>), CaptureError> {
+        if !req.capture.inbound {
+            maps::set_pod(ebpf, cookie, flags)?;
+            return Ok((None, None));
+        }
+        let inbound: Vec<InboundListener<'_>> = listeners
+            .inbound_plaintext
+            .iter()
+            .map(|socket| InboundListener {
+                port: INBOUND_PLAINTEXT_PORT,
+                socket,
+            })
+            .chain(
+                listeners
+                    .inbound_hbone
+                    .iter()
+                    .map(|socket| InboundListener {
+                        port: INBOUND_HBONE_PORT,
+                        socket,
+                    }),
+            )
+            .collect();
+        let keys = lookup::publish_listeners(ebpf, ips, &inbound)?;
+        let pin = match lookup::attach(ebpf, &self.pins, &req.netns, &req.uid) {
+            Ok(pin) => pin,
+            Err(e) => {
+                let _ = lookup::withdraw_listeners(ebpf, &keys);
+                return Err(e);
+            }
+        };
+        let undo_lookup = |ebpf: &mut aya::Ebpf| {
+            let _ = lookup::detach(&pin);
+            let _ = lookup::withdraw_listeners(ebpf, &keys);
+        };
+        let ingress = match tc::attach(
+            ebpf,
+            &self.pins,
+            &req.netns,
+            &req.uid,
+            POD_INTERFACE,
+            self.tc_mode,
+        ) {
+            Ok(ingress) => ingress,
+            Err(e) => {
+                undo_lookup(ebpf);
+                return Err(e);
+            }
+        };
+        if let Err(e) = maps::set_pod(ebpf, cookie, flags) {
+            let _ = tc::detach(&req.netns, &ingress);
+            undo_lookup(ebpf);
+            return Err(e);
+        }
+        Ok((Some(ingress), Some(PodLookup { pin, keys })))
     }
 
     fn spawn_listeners(
@@ -387,6 +463,11 @@ impl PodRegistry {
         {
             let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
             maps::remove_pod(&mut programs.ebpf, pod.cookie).map_err(capture_err)?;
+            if let Some(lookup) = &pod.lookup {
+                lookup::detach(&lookup.pin).map_err(capture_err)?;
+                lookup::withdraw_listeners(&mut programs.ebpf, &lookup.keys)
+                    .map_err(capture_err)?;
+            }
         }
         if let Some(ingress) = &pod.ingress {
             tc::detach(&pod.netns, ingress).map_err(capture_err)?;
@@ -424,11 +505,14 @@ impl PodRegistry {
     }
 
     /// Removes kernel state left by an earlier ztunnel for pods that are not
-    /// enrolled now: `POD_CAPTURE` entries and `tc_*` link pins.
+    /// enrolled now: `POD_CAPTURE` entries and `tc_*`/`lookup_*` link pins.
     pub fn remove_stale_kernel_state(&self) -> Result<usize, EnrolError> {
         let pods = self.pods.lock().map_err(|_| EnrolError::Poisoned)?;
         let cookies: HashSet<u64> = pods.values().map(|p| p.cookie).collect();
-        let pins: HashSet<String> = pods.keys().map(|uid| tc::pin_name(uid)).collect();
+        let pins: HashSet<String> = pods
+            .keys()
+            .flat_map(|uid| [tc::pin_name(uid), lookup::pin_name(uid)])
+            .collect();
         drop(pods);
         let mut removed = 0;
         let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
@@ -442,7 +526,8 @@ impl PodRegistry {
         if let Ok(entries) = std::fs::read_dir(self.pins.links()) {
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                if name.starts_with("tc_") && !pins.contains(&name) {
+                let per_pod = name.starts_with("tc_") || name.starts_with("lookup_");
+                if per_pod && !pins.contains(&name) {
                     let _ = std::fs::remove_file(entry.path());
                     removed += 1;
                 }
@@ -465,7 +550,7 @@ impl PodRegistry {
                         netns: p.netns_name.clone(),
                         netns_cookie: p.cookie,
                         outbound: true,
-                        inbound: p.ingress.is_some(),
+                        inbound: p.lookup.is_some(),
                     })
                     .collect()
             },

@@ -10,14 +10,14 @@
 
 use std::{
     net::{SocketAddr, TcpStream},
-    sync::mpsc,
+    sync::{Arc, mpsc},
 };
 
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::sync::oneshot;
 use ztunnel_common::{INBOUND_MARK, ZTUNNEL_MARK};
 
-use crate::netns::PodNetns;
+use crate::{capture::maps::InboundLegTable, netns::PodNetns};
 
 struct Request {
     v6: bool,
@@ -30,6 +30,9 @@ struct Request {
 #[derive(Debug, Clone)]
 pub struct SocketFactory {
     requests: mpsc::Sender<Request>,
+    /// Where transparent legs are listed while they connect (eBPF capture);
+    /// `None` with the iptables backend, which has no `sk_lookup` to avoid.
+    legs: Option<Arc<InboundLegTable>>,
 }
 
 impl std::fmt::Debug for Request {
@@ -42,7 +45,7 @@ impl std::fmt::Debug for Request {
 
 impl SocketFactory {
     /// Starts the thread inside `netns`.
-    pub fn start(netns: &PodNetns) -> std::io::Result<Self> {
+    pub fn start(netns: &PodNetns, legs: Option<Arc<InboundLegTable>>) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Request>();
         let ns = netns.try_clone()?;
         let name = format!("sockets-{}", ns.name().rsplit('/').next().unwrap_or("pod"));
@@ -61,7 +64,7 @@ impl SocketFactory {
         ready_rx
             .recv()
             .map_err(|_| std::io::Error::other("socket factory thread died"))??;
-        Ok(Self { requests: tx })
+        Ok(Self { requests: tx, legs })
     }
 
     /// A fresh, unconnected, non-blocking TCP socket inside the pod, marked;
@@ -100,11 +103,29 @@ impl SocketFactory {
             .await
             .ok_or(super::ProxyError::FactoryGone)?
             .map_err(|source| super::ProxyError::Connect { dst, source })?;
+        // A transparent leg's SYN looks like the client's own to the pod's
+        // `sk_lookup` program; list it so it reaches the application rather
+        // than ztunnel again. Unlisted, it must not connect at all.
+        let listed = match (&self.legs, source) {
+            (Some(legs), Some(_)) => {
+                let bound = std_stream.local_addr()?;
+                Some(
+                    legs.list(bound, dst)
+                        .map_err(|e| super::ProxyError::Connect {
+                            dst,
+                            source: std::io::Error::other(e),
+                        })?,
+                )
+            }
+            _ => None,
+        };
         let socket = tokio::net::TcpSocket::from_std_stream(std_stream);
         let stream = socket
             .connect(dst)
             .await
-            .map_err(|source| super::ProxyError::Connect { dst, source })?;
+            .map_err(|source| super::ProxyError::Connect { dst, source });
+        drop(listed);
+        let stream = stream?;
         stream.set_nodelay(true)?;
         Ok(stream)
     }
