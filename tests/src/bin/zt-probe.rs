@@ -10,6 +10,10 @@
 //!   sends N deterministic bytes in writes of C bytes, half-closes, checks
 //!   what comes back, prints `RESULT ok bytes=N local=<l> peer=<p>`. Exit 1
 //!   on a data mismatch, 2 when the connection fails (`CONNECT-ERROR ...`).
+//! - `beat --connect ADDR`: one long-lived connection to an echo server,
+//!   one small exchange every interval; prints `CONNECTED`, `OK <n>
+//!   t=<unix ms>` per exchange, and `CLOSED <kind> ...` (exit 3) when the
+//!   peer closes it, so a test can watch a live connection being cut.
 
 use std::{
     io::{BufRead as _, BufReader, Read, Write},
@@ -30,6 +34,9 @@ struct Cli {
 enum Mode {
     Echo,
     Digest,
+    /// Server only: greets with `HELLO-FROM-APP` and closes first, so the
+    /// application's side of the 4-tuple goes to `TIME_WAIT`.
+    Hello,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -90,6 +97,21 @@ enum Cmd {
         count: usize,
         #[arg(long, default_value_t = 30)]
         seconds: u64,
+    },
+    /// One long-lived connection: every `interval_ms`, sends a line and
+    /// reads its echo, printing `OK <n> t=<unix ms>`; `DONE <n>` after
+    /// `seconds`; `CLOSED <kind> after=<n> <error>` (exit 3) when the connection is
+    /// closed or reset; `STALLED after=<n>` (exit 4) when an echo takes
+    /// longer than `stall_seconds`.
+    Beat {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 100)]
+        interval_ms: u64,
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        #[arg(long, default_value_t = 10)]
+        stall_seconds: u64,
     },
     /// Opens `count` connections at once (one thread each), sends `bytes`
     /// on each, checks the echo; prints `BURST ok=N failed=M`.
@@ -190,6 +212,17 @@ fn main() -> ExitCode {
             bytes,
             payload,
         } => burst(connect, count, bytes, payload.as_deref()),
+        Cmd::Beat {
+            connect,
+            interval_ms,
+            seconds,
+            stall_seconds,
+        } => beat(
+            connect,
+            Duration::from_millis(interval_ms),
+            Duration::from_secs(seconds),
+            Duration::from_secs(stall_seconds),
+        ),
         Cmd::Server {
             listen,
             mode,
@@ -250,6 +283,10 @@ fn server(listen: SocketAddr, mode: Mode, quiet: bool) -> ExitCode {
 }
 
 fn serve(mut stream: TcpStream, mode: Mode) {
+    if let Mode::Hello = mode {
+        let _ = stream.write_all(b"HELLO-FROM-APP\n");
+        return;
+    }
     let mut buf = vec![0u8; 256 * 1024];
     let mut total = 0u64;
     let mut digest = Fnv::new();
@@ -264,7 +301,7 @@ fn serve(mut stream: TcpStream, mode: Mode) {
                             return;
                         }
                     }
-                    Mode::Digest => digest.feed(&buf[..n]),
+                    Mode::Digest | Mode::Hello => digest.feed(&buf[..n]),
                 }
             }
         }
@@ -341,6 +378,10 @@ fn client(
     });
 
     let ok = match mode {
+        Mode::Hello => {
+            println!("CLIENT-ERROR hello is a server mode");
+            return ExitCode::from(2);
+        }
         Mode::Echo => {
             let mut reader = stream;
             let mut got = 0u64;
@@ -449,6 +490,64 @@ fn echo_poll(
             }
         }
     }
+}
+
+fn beat(addr: SocketAddr, interval: Duration, total: Duration, stall: Duration) -> ExitCode {
+    let say = |line: &str| {
+        println!("{line}");
+        let _ = std::io::stdout().flush();
+    };
+    let mut s = match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
+        Ok(s) => s,
+        Err(e) => {
+            say(&format!("CONNECT-ERROR {:?} {e}", e.kind()));
+            return ExitCode::from(2);
+        }
+    };
+    let _ = s.set_nodelay(true);
+    let _ = s.set_read_timeout(Some(stall));
+    let local = s.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    say(&format!("CONNECTED local={local}"));
+    let deadline = std::time::Instant::now() + total;
+    let mut n = 0u64;
+    while std::time::Instant::now() < deadline {
+        let line = format!("beat {n:08}\n");
+        let mut back = vec![0u8; line.len()];
+        let exchange = s
+            .write_all(line.as_bytes())
+            .and_then(|()| s.read_exact(&mut back));
+        match exchange {
+            Ok(()) if back == line.as_bytes() => {
+                // The wall clock lets a reader tell a fresh exchange from
+                // one that waited in the pipe.
+                let t = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis());
+                say(&format!("OK {n} t={t}"));
+            }
+            Ok(()) => {
+                say(&format!("MISMATCH after={n}"));
+                return ExitCode::from(1);
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                say(&format!("STALLED after={n}"));
+                return ExitCode::from(4);
+            }
+            Err(e) => {
+                say(&format!("CLOSED {:?} after={n} {e}", e.kind()));
+                return ExitCode::from(3);
+            }
+        }
+        n += 1;
+        std::thread::sleep(interval);
+    }
+    say(&format!("DONE {n}"));
+    ExitCode::SUCCESS
 }
 
 fn burst(addr: SocketAddr, count: usize, bytes: u64, payload: Option<&str>) -> ExitCode {

@@ -1,0 +1,176 @@
+//! `zt-hostile`: clients that behave the way a hostile or careless pod does,
+//! for the capture tests. Each prints one `RESULT key=value ...` line.
+//!
+//! - `sport`: one connection from a fixed source port (`SO_REUSEADDR`), send
+//!   a payload, read until EOF or a timeout, then close gracefully, so the
+//!   side that closed first keeps a `TIME_WAIT` socket for the 4-tuple. Run
+//!   twice with the same port to reuse that tuple.
+//! - `churn`: open one long-lived connection, note its `getpeername()`, then
+//!   make N short connections that are reset at once (connect, RST), and
+//!   report `getpeername()` of the long one again plus whether it still
+//!   carries data. A per-connection record that is evicted or leaks shows
+//!   up as a changed peer name or a failed echo.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    time::{Duration, Instant},
+};
+
+use clap::{Parser, Subcommand};
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+#[derive(Parser)]
+#[command(name = "zt-hostile")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One connection from a fixed source port.
+    Sport {
+        /// Destination.
+        #[arg(long)]
+        connect: SocketAddr,
+        /// Source port to bind.
+        #[arg(long)]
+        sport: u16,
+        /// Payload to send.
+        #[arg(long, default_value = "HELLO\n")]
+        payload: String,
+        /// Upper bound for connect and for reading, in milliseconds.
+        #[arg(long, default_value_t = 3000)]
+        timeout_ms: u64,
+    },
+    /// Long-lived connection plus N reset short ones.
+    Churn {
+        /// Destination of the long-lived connection (an echo server).
+        #[arg(long)]
+        long: SocketAddr,
+        /// Destination of the short connections.
+        #[arg(long)]
+        short: SocketAddr,
+        /// Number of short connections.
+        #[arg(long, default_value_t = 100_000)]
+        count: u32,
+        /// Upper bound of the whole run, in seconds.
+        #[arg(long, default_value_t = 240)]
+        limit_secs: u64,
+    },
+}
+
+fn main() {
+    match Cli::parse().command {
+        Command::Sport {
+            connect,
+            sport,
+            payload,
+            timeout_ms,
+        } => sport_client(connect, sport, &payload, Duration::from_millis(timeout_ms)),
+        Command::Churn {
+            long,
+            short,
+            count,
+            limit_secs,
+        } => churn(long, short, count, Duration::from_secs(limit_secs)),
+    }
+}
+
+fn sport_client(dst: SocketAddr, sport: u16, payload: &str, timeout: Duration) {
+    let bound = SocketAddr::new(
+        if dst.is_ipv6() {
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        } else {
+            std::net::Ipv4Addr::UNSPECIFIED.into()
+        },
+        sport,
+    );
+    let socket = Socket::new(Domain::for_address(dst), Type::STREAM, Some(Protocol::TCP))
+        .unwrap_or_else(|e| fail(&format!("socket: {e}")));
+    socket
+        .set_reuse_address(true)
+        .unwrap_or_else(|e| fail(&format!("SO_REUSEADDR: {e}")));
+    socket
+        .bind(&SockAddr::from(bound))
+        .unwrap_or_else(|e| fail(&format!("bind {bound}: {e}")));
+    if let Err(e) = socket.connect_timeout(&SockAddr::from(dst), timeout) {
+        println!("RESULT connected=false error={:?}", e.kind());
+        return;
+    }
+    let mut stream: TcpStream = socket.into();
+    let _ = stream.set_read_timeout(Some(timeout));
+    let _ = stream.write_all(payload.as_bytes());
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + timeout;
+    let end = loop {
+        if Instant::now() >= deadline {
+            break "timeout";
+        }
+        match stream.read(&mut buf) {
+            Ok(0) => break "eof",
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break "reset",
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                break "timeout";
+            }
+            Err(_) => break "error",
+        }
+    };
+    // Graceful close (FIN, not RST), so the TIME_WAIT of whoever closed
+    // first stays in place for the next run from this port.
+    drop(stream);
+    println!(
+        "RESULT connected=true end={end} data={:?}",
+        String::from_utf8_lossy(&got)
+    );
+}
+
+fn churn(long: SocketAddr, short: SocketAddr, count: u32, limit: Duration) {
+    let started = Instant::now();
+    let mut held = TcpStream::connect_timeout(&long, Duration::from_secs(5))
+        .unwrap_or_else(|e| fail(&format!("long connection to {long}: {e}")));
+    let _ = held.set_read_timeout(Some(Duration::from_secs(5)));
+    let before = held
+        .peer_addr()
+        .map_or_else(|e| format!("error:{e}"), |a| a.to_string());
+    let mut made = 0u32;
+    let mut failed = 0u32;
+    for _ in 0..count {
+        if started.elapsed() > limit {
+            break;
+        }
+        match TcpStream::connect_timeout(&short, Duration::from_secs(2)) {
+            Ok(s) => {
+                // Reset at once: the cheapest connection the capture path
+                // still sees from connect() to close.
+                let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+                made += 1;
+            }
+            Err(_) => failed += 1,
+        }
+    }
+    let after = held
+        .peer_addr()
+        .map_or_else(|e| format!("error:{e}"), |a| a.to_string());
+    let echo_ok = held.write_all(b"still-here\n").is_ok() && {
+        let mut buf = [0u8; 11];
+        held.read_exact(&mut buf).is_ok() && &buf == b"still-here\n"
+    };
+    println!(
+        "RESULT made={made} failed={failed} before={before} after={after} echo_ok={echo_ok} secs={}",
+        started.elapsed().as_secs()
+    );
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("zt-hostile: {message}");
+    std::process::exit(2);
+}

@@ -1,0 +1,364 @@
+//! The mesh cannot be walked around: tests written the way a hostile pod
+//! would attack the capture path.
+//!
+//! One node with an enrolled STRICT pod (`app`, mTLS only), an enrolled
+//! PERMISSIVE pod (`open`), an enrolled client (`client`) and an attacker
+//! outside the mesh (`attacker`). Each test checks what the application
+//! itself saw (its `ACCEPT` lines), not only what ztunnel says.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use aya::maps::{HashMap as BpfHashMap, MapData};
+use ztunnel_common::{Counter, OrigDst, OrigDstKey};
+use ztunnel_tests::{
+    Cluster, Pod,
+    flows::{self, WorkloadEntry},
+    process::{Finished, PodProcess},
+    require_root,
+    ztunnel::{Ztunnel, sibling_bin},
+};
+
+const APP_PORT: u16 = 8080;
+const HELLO_PORT: u16 = 8081;
+
+fn sa(ip: impl Into<std::net::IpAddr>, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.into(), port)
+}
+
+fn entries() -> Vec<WorkloadEntry> {
+    vec![
+        WorkloadEntry {
+            extra: "    labels: {app: strict}",
+            ..WorkloadEntry::enrolled("app", "node-a")
+        },
+        WorkloadEntry::enrolled("open", "node-a"),
+        WorkloadEntry::enrolled("client", "node-a"),
+        WorkloadEntry::outside("attacker", "node-a"),
+    ]
+}
+
+const STRICT: &str =
+    "peerAuthentications:\n  - {namespace: test, selector: {app: strict}, mode: STRICT}\n";
+
+/// Field order is drop order: ztunnel stops before its namespaces go.
+struct Setup {
+    z: Ztunnel,
+    cluster: Cluster,
+}
+
+fn setup(extra: &str) -> Setup {
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-a");
+    for pod in ["app", "open", "client", "attacker"] {
+        cluster.add_pod(node, pod);
+    }
+    let config = flows::write_config_with(&cluster, "mesh.yaml", &entries(), extra);
+    let z = Ztunnel::start(
+        &cluster,
+        node,
+        &["--config", config.to_str().expect("utf-8")],
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while z.count_log_lines(&["pod enrolled"]) < 3 {
+        assert!(Instant::now() < deadline, "pods not enrolled:\n{}", z.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Setup { z, cluster }
+}
+
+/// Rewrites the config and waits until ztunnel applied it.
+fn apply(setup: &Setup, extra: &str) {
+    let before = setup.z.count_log_lines(&["config changed: applying"]);
+    flows::write_config_with(&setup.cluster, "mesh.yaml", &entries(), extra);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while setup.z.count_log_lines(&["config changed: applying"]) <= before {
+        assert!(
+            Instant::now() < deadline,
+            "config not applied:\n{}",
+            setup.z.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `zt-hostile sport` in `pod`: one connection from `sport`.
+fn sport_session(pod: &Pod, dst: SocketAddr, sport: u16) -> String {
+    let mut cmd = pod.command(&sibling_bin("zt-hostile"));
+    cmd.args([
+        "sport",
+        "--connect",
+        &dst.to_string(),
+        "--sport",
+        &sport.to_string(),
+        "--timeout-ms",
+        "2000",
+    ]);
+    let done =
+        PodProcess::spawn(&format!("sport-{}-{dst}", pod.name), cmd).wait(Duration::from_secs(15));
+    result_line(&done)
+}
+
+fn result_line(done: &Finished) -> String {
+    done.stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .unwrap_or_else(|| panic!("no RESULT line: {done:?}"))
+        .to_owned()
+}
+
+/// Every `ACCEPT` line the application printed so far (non-blocking drain).
+fn accepts(server: &mut PodProcess) -> Vec<String> {
+    let mut out = Vec::new();
+    while let Some(line) = server.try_read_line(Duration::from_millis(200)) {
+        if line.starts_with("ACCEPT") {
+            out.push(line);
+        }
+    }
+    out
+}
+
+/// TIME_WAIT sockets in `pod`'s namespace for `port` (for the failure
+/// message: shows whether the reuse case was really exercised).
+fn time_waits(pod: &Pod, port: u16) -> String {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", pod.netns_path().display()))
+        .args(["ss", "-tan", "state", "time-wait"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    out.lines()
+        .filter(|l| l.contains(&format!(":{port} ")))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn time_wait_reuse_after_a_refused_connection_cannot_reach_a_strict_app() {
+    if !require_root("time_wait_reuse_after_a_refused_connection_cannot_reach_a_strict_app") {
+        return;
+    }
+    let s = setup(STRICT);
+    let (app, attacker) = (s.cluster.pod("app"), s.cluster.pod("attacker"));
+    for (i, dst) in [sa(app.ip, APP_PORT), sa(app.ip6, APP_PORT)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut server = flows::server(app, dst, "echo");
+        let sport = 41_000 + i as u16;
+        let before = s.z.counters();
+        // First: plaintext to a STRICT pod; ztunnel refuses it by closing,
+        // which leaves a TIME_WAIT socket for this 4-tuple in the pod.
+        let first = sport_session(attacker, dst, sport);
+        assert!(
+            !first.contains("HELLO"),
+            "STRICT pod echoed plaintext: {first}"
+        );
+        let tw = time_waits(app, APP_PORT);
+        // Second: the same 4-tuple again. The kernel's TIME_WAIT path looks
+        // the listener up anew; it must still land on ztunnel.
+        let second = sport_session(attacker, dst, sport);
+        let after = s.z.counters();
+        assert!(
+            !second.contains("HELLO"),
+            "TIME_WAIT reuse reached the application: {second}\nTIME_WAIT: {tw}"
+        );
+        let seen = accepts(&mut server);
+        assert!(
+            seen.is_empty(),
+            "the STRICT application accepted plaintext connections: {seen:?}"
+        );
+        let steered = after.get(Counter::LookupSteeredPlaintext)
+            - before.get(Counter::LookupSteeredPlaintext);
+        assert!(steered >= 2, "steered {steered}: {after:?}");
+    }
+    assert!(
+        s.z.count_log_lines(&["access", "result=\"denied\"", "STRICT"]) >= 4,
+        "{}",
+        s.z.log()
+    );
+}
+
+#[test]
+fn time_wait_reuse_after_an_app_first_close_obeys_a_tightened_policy() {
+    if !require_root("time_wait_reuse_after_an_app_first_close_obeys_a_tightened_policy") {
+        return;
+    }
+    let s = setup("");
+    let (open, attacker) = (s.cluster.pod("open"), s.cluster.pod("attacker"));
+    let dst = sa(open.ip, HELLO_PORT);
+    let mut server = flows::server(open, dst, "hello");
+    let sport = 42_000;
+    // Allowed (PERMISSIVE): the application greets and closes first.
+    let first = sport_session(attacker, dst, sport);
+    assert!(first.contains("HELLO-FROM-APP"), "{first}");
+    assert_eq!(accepts(&mut server).len(), 1);
+    let tw = time_waits(open, HELLO_PORT);
+    // Tighten: deny the attacker's address. The reused 4-tuple must meet
+    // the new policy, not the application's listener.
+    apply(
+        &s,
+        &format!(
+            "policies:\n  - {{name: no-attacker, namespace: test, action: DENY, rules: [{{from: [{{ipBlocks: [\"{}/32\"]}}]}}]}}\n",
+            attacker.ip
+        ),
+    );
+    let second = sport_session(attacker, dst, sport);
+    assert!(
+        !second.contains("HELLO-FROM-APP"),
+        "denied client reached the application by reusing a 4-tuple: {second}\nTIME_WAIT: {tw}"
+    );
+    let seen = accepts(&mut server);
+    assert!(seen.is_empty(), "application accepted: {seen:?}");
+    s.z.wait_for_log("result=\"denied\"", Duration::from_secs(5));
+}
+
+#[test]
+fn a_syn_to_a_port_nobody_listens_on_is_still_ztunnels() {
+    if !require_root("a_syn_to_a_port_nobody_listens_on_is_still_ztunnels") {
+        return;
+    }
+    let s = setup(STRICT);
+    let (app, attacker) = (s.cluster.pod("app"), s.cluster.pod("attacker"));
+    let before = s.z.counters();
+    let got = sport_session(attacker, sa(app.ip, 9999), 43_000);
+    let after = s.z.counters();
+    // ztunnel's plaintext listener took it (the kernel did not answer with
+    // a bare RST from the pod), then refused it as STRICT requires.
+    assert!(got.contains("connected=true"), "{got}");
+    assert_eq!(
+        after.get(Counter::LookupSteeredPlaintext) - before.get(Counter::LookupSteeredPlaintext),
+        1,
+        "{after:?}"
+    );
+    s.z.wait_for_log("dst=10.244", Duration::from_secs(5));
+    assert!(
+        s.z.count_log_lines(&["access", "result=\"denied\"", ":9999"]) >= 1,
+        "{}",
+        s.z.log()
+    );
+}
+
+/// The pinned `ORIG_DST` map of this ztunnel.
+fn orig_dst_map(z: &Ztunnel) -> PathBuf {
+    z.pins()
+        .into_iter()
+        .find(|p| p.file_name().is_some_and(|n| n == "ORIG_DST"))
+        .unwrap_or_else(|| panic!("no ORIG_DST pin in {:?}", z.pins()))
+}
+
+fn open_orig_dst(pin: &Path) -> BpfHashMap<MapData, OrigDstKey, OrigDst> {
+    let data = MapData::from_pin(pin).unwrap_or_else(|e| panic!("open {}: {e}", pin.display()));
+    BpfHashMap::try_from(aya::maps::Map::HashMap(data)).expect("ORIG_DST is a hash map")
+}
+
+#[test]
+fn getpeername_survives_100k_connections_and_nothing_accumulates() {
+    if !require_root("getpeername_survives_100k_connections_and_nothing_accumulates") {
+        return;
+    }
+    let s = setup("");
+    let (client, attacker) = (s.cluster.pod("client"), s.cluster.pod("attacker"));
+    let long = sa(attacker.ip, APP_PORT);
+    let _server = flows::server_with(attacker, long, "echo", true);
+    let before = s.z.counters();
+    let mut cmd = client.command(&sibling_bin("zt-hostile"));
+    cmd.args([
+        "churn",
+        "--long",
+        &long.to_string(),
+        "--short",
+        &sa(attacker.ip, 9).to_string(),
+        "--count",
+        "100000",
+        "--limit-secs",
+        "300",
+    ]);
+    let done = PodProcess::spawn("churn", cmd).wait(Duration::from_secs(330));
+    let line = result_line(&done);
+    let after = s.z.counters();
+    eprintln!("{line}");
+    assert!(line.contains("made=100000"), "{line}");
+    assert!(
+        line.contains(&format!("before={long} after={long} echo_ok=true")),
+        "getpeername() or the long connection changed after churn: {line}"
+    );
+    let redirected = after.get(Counter::ConnectRedirected) - before.get(Counter::ConnectRedirected);
+    assert!(redirected >= 100_001, "only {redirected} connects captured");
+    // Nothing left behind: entries are taken at accept or removed at close.
+    let pin = orig_dst_map(&s.z);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = open_orig_dst(&pin).keys().count();
+        if left < 16 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{left} ORIG_DST entries left after churn"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_full_orig_dst_map_fails_closed() {
+    if !require_root("a_full_orig_dst_map_fails_closed") {
+        return;
+    }
+    let s = setup("");
+    let (client, attacker) = (s.cluster.pod("client"), s.cluster.pod("attacker"));
+    let dst = sa(attacker.ip, APP_PORT);
+    let mut server = flows::server(attacker, dst, "echo");
+    let run = flows::ClientRun {
+        bytes: 1000,
+        connect_timeout: 3,
+        limit: Duration::from_secs(10),
+        ..flows::ClientRun::default()
+    };
+    flows::assert_ok(&flows::client(client, dst, &run));
+    assert_eq!(accepts(&mut server).len(), 1);
+
+    // Fill the map to its capacity with records no connection will claim.
+    let pin = orig_dst_map(&s.z);
+    let mut map = open_orig_dst(&pin);
+    let capacity = ztunnel_common::MAX_PENDING_CONNECTIONS;
+    let junk = |i: u32| OrigDstKey {
+        netns_cookie: u64::MAX - u64::from(i),
+        ..OrigDstKey::default()
+    };
+    let mut filled = 0;
+    for i in 0..capacity {
+        if map.insert(junk(i), OrigDst::default(), 0).is_ok() {
+            filled += 1;
+        }
+    }
+    assert!(filled >= capacity - 16, "filled only {filled}");
+
+    let before = s.z.counters();
+    let refused = flows::client(client, dst, &run);
+    let after = s.z.counters();
+    assert!(
+        !refused.stdout.contains("RESULT ok"),
+        "a connection without a record went through: {refused:?}"
+    );
+    assert!(
+        accepts(&mut server).is_empty(),
+        "the destination saw a connection that had no record"
+    );
+    assert!(
+        after.get(Counter::OrigDstInsertFailed) > before.get(Counter::OrigDstInsertFailed),
+        "{after:?}"
+    );
+    s.z.wait_for_log("no original destination recorded", Duration::from_secs(5));
+
+    // Room again: the same connect works, so the failure was the full map.
+    for i in 0..capacity {
+        let _ = map.remove(&junk(i));
+    }
+    flows::assert_ok(&flows::client(client, dst, &run));
+    assert_eq!(accepts(&mut server).len(), 1);
+}
