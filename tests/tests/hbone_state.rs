@@ -116,8 +116,8 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
         Arc::new(CertManager::new(ca, Duration::from_secs(3600))),
         Duration::from_secs(5),
     );
-    let sockets =
-        SocketFactory::start(&PodNetns::open(&a1.netns_path()).expect("netns")).expect("factory");
+    let sockets = SocketFactory::start(&PodNetns::open(&a1.netns_path()).expect("netns"), None)
+        .expect("factory");
     let key = PoolKey {
         src_ip: a1.ip.into(),
         src: Identity::new("cluster.local", "test", "a1"),

@@ -101,7 +101,11 @@ fn sport_client(dst: SocketAddr, sport: u16, payload: &str, timeout: Duration) {
     }
     let mut stream: TcpStream = socket.into();
     let _ = stream.set_read_timeout(Some(timeout));
-    let _ = stream.write_all(payload.as_bytes());
+    // An empty payload sends nothing: a peer that closes a connection with
+    // unread data resets it, and only a FIN close leaves a TIME_WAIT.
+    if !payload.is_empty() {
+        let _ = stream.write_all(payload.as_bytes());
+    }
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     let deadline = Instant::now() + timeout;

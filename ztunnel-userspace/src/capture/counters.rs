@@ -55,10 +55,14 @@ fn sum<T: std::borrow::Borrow<MapData>>(
 ) -> Result<CounterSnapshot, CaptureError> {
     let mut values = Vec::with_capacity(Counter::ALL.len());
     for counter in Counter::ALL {
-        let per_cpu = array
-            .get(&(counter as u32), 0)
-            .map_err(|e| map_err(MAP_COUNTERS, e))?;
-        values.push((counter, per_cpu.iter().sum()));
+        let total = match array.get(&(counter as u32), 0) {
+            Ok(per_cpu) => per_cpu.iter().sum(),
+            // A pinned map made by an older build has fewer slots; the
+            // events it has no slot for were never counted.
+            Err(aya::maps::MapError::OutOfBounds { .. }) => 0,
+            Err(e) => return Err(map_err(MAP_COUNTERS, e)),
+        };
+        values.push((counter, total));
     }
     Ok(CounterSnapshot { values })
 }
