@@ -19,6 +19,7 @@ pub mod kernel;
 pub mod netns;
 pub mod pattern;
 pub mod process;
+pub mod raw_tcp;
 pub mod skip;
 pub mod sniff;
 pub mod sweep;
