@@ -1,12 +1,18 @@
 //! Enrolment over the unix socket (ZDS messages, netns fd as SCM_RIGHTS),
 //! driven by the real `ztunnel enrol` command.
 
-use std::{net::SocketAddr, os::fd::AsRawFd as _, process::Command, time::Duration};
+use std::{
+    net::SocketAddr,
+    os::fd::{AsRawFd as _, OwnedFd},
+    process::Command,
+    time::Duration,
+};
 
 use nix::sys::socket::{
     AddressFamily, MsgFlags, SockFlag, SockType, UnixAddr, connect, recv, send, socket,
 };
 
+use ztunnel::enrol::zds::{self, AddWorkload, WorkloadRequest, workload_request::Payload};
 use ztunnel_common::Counter;
 use ztunnel_tests::{
     Cluster,
@@ -52,6 +58,8 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
         "app",
         "--namespace",
         "test",
+        "--service-account",
+        "app",
     ];
     let out = enrol(&z, &add);
     assert!(out.status.success(), "{out:?}");
@@ -67,7 +75,20 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
     assert_eq!(z.count_log_lines(&["pod enrolled", "app-uid"]), 1);
 
     // Bad requests get an answer naming the problem; the daemon carries on.
-    let missing = enrol(&z, &["add", "--uid", "x", "--netns", "/nonexistent/netns"]);
+    let missing = enrol(
+        &z,
+        &[
+            "add",
+            "--uid",
+            "x",
+            "--netns",
+            "/nonexistent/netns",
+            "--namespace",
+            "test",
+            "--service-account",
+            "x",
+        ],
+    );
     assert!(!missing.status.success());
     assert!(
         String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/netns"),
@@ -122,4 +143,73 @@ fn malformed_enrolment_messages_are_refused_with_a_reason() {
         );
     }
     z.wait_for_log("enrolment request refused", Duration::from_secs(2));
+}
+
+#[test]
+fn an_add_without_workload_info_is_refused_and_nothing_is_enrolled() {
+    if !require_root("an_add_without_workload_info_is_refused_and_nothing_is_enrolled") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-a");
+    cluster.add_pod(node, "app");
+    cluster.add_pod(node, "other");
+    let (app, other) = (cluster.pod("app"), cluster.pod("other"));
+    let dst = SocketAddr::from((other.ip, 8080));
+    let _server = flows::server(other, dst, "echo");
+    let z = Ztunnel::start(&cluster, node, &[]);
+
+    // A CNI-style client sending an `add` with the netns fd but no workload
+    // info: it must be refused, not enrolled under a guessed identity.
+    let netns: OwnedFd = std::fs::File::open(app.netns_path())
+        .expect("open pod netns")
+        .into();
+    let request = WorkloadRequest {
+        payload: Some(Payload::Add(AddWorkload {
+            uid: "uid-without-info".into(),
+            workload_info: None,
+        })),
+    };
+    match zds::request(&z.socket, vec![(request, Some(netns))]) {
+        Err(zds::ZdsError::Refused(error)) => assert!(
+            error.contains("uid-without-info") && error.contains("workload_info"),
+            "the refusal must name the pod and the missing field: {error}"
+        ),
+        Err(other) => panic!("expected a refusal from ztunnel, got {other}"),
+        Ok(()) => panic!("an add without workload info was accepted"),
+    }
+
+    // Through the CLI, an empty service account is refused the same way.
+    let netns_path = app.netns_path();
+    let out = enrol(
+        &z,
+        &[
+            "add",
+            "--uid",
+            "uid-empty-sa",
+            "--netns",
+            netns_path.to_str().expect("utf-8"),
+            "--namespace",
+            "test",
+            "--service-account",
+            "",
+        ],
+    );
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("uid-empty-sa") && stderr.contains("workload_info.service_account"),
+        "{out:?}"
+    );
+
+    // Nothing was enrolled: no log line, no capture.
+    assert_eq!(z.count_log_lines(&["pod enrolled"]), 0, "{}", z.log());
+    let before = z.counters();
+    flows::assert_ok(&flows::client(app, dst, &ClientRun::default()));
+    assert_eq!(
+        z.counters().get(Counter::ConnectRedirected),
+        before.get(Counter::ConnectRedirected),
+        "the refused pod's connection was captured"
+    );
+    z.wait_for_log("workload_info is missing", Duration::from_secs(2));
 }

@@ -12,7 +12,7 @@
 
 use std::{
     collections::HashSet,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, SystemTime},
 };
@@ -161,6 +161,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     let state = StateHandle::new(MeshState::new(base));
     let shared = Shared {
         state: state.clone(),
+        connections: Arc::default(),
         certs: Arc::clone(&certs),
         pool: Arc::new(HbonePool::new(certs, settings.pool_idle_timeout)),
         local_pods: settings.local_fastpath.then(Default::default),
@@ -348,49 +349,103 @@ pub fn apply_config(registry: &PodRegistry, config: &LocalConfig, node: &str) {
     }
 }
 
-/// Polls the config file once a second; a changed, valid file is applied,
-/// an invalid one is rejected with its errors and the last good state kept.
+/// How often the config file is read for changes.
+const CONFIG_POLL_INTERVAL: Duration = Duration::from_secs(1);
+
+/// After a change is seen, the file is read again this much later and only
+/// taken when both reads agree: a writer that truncates and then writes
+/// (`cat >`, most editors) is usually done by then, so a half-written file
+/// is rarely even parsed. Short, because it delays every reload.
+const CONFIG_SETTLE_DELAY: Duration = Duration::from_millis(200);
+
+/// What one read of the config file saw: its text, or why it could not be
+/// read (compared between polls, so one problem is logged once).
+type ConfigRead = Result<String, String>;
+
+fn read_config(path: &Path) -> ConfigRead {
+    std::fs::read_to_string(path).map_err(|e| e.to_string())
+}
+
+/// Polls the config file; a changed, valid file is applied. A file that
+/// cannot be read, is empty, does not parse or fails validation is rejected
+/// (logged once with the file and the problem, and counted in
+/// `ztunnel_config_reloads_total{result="rejected",reason=...}`) and the last
+/// good state is kept: pods are removed only when a valid document no longer
+/// lists them.
 fn watch_config(
     path: PathBuf,
     registry: Arc<PodRegistry>,
     node: String,
     trust_domain: Option<String>,
 ) {
-    let stamp = |p: &PathBuf| {
+    let stamp = |p: &Path| {
         std::fs::metadata(p)
             .and_then(|m| m.modified())
             .unwrap_or(SystemTime::UNIX_EPOCH)
     };
     let mut last = stamp(&path);
-    let mut last_text = std::fs::read_to_string(&path).unwrap_or_default();
+    let mut last_read = read_config(&path);
     std::thread::Builder::new()
         .name("config-watch".into())
         .spawn(move || {
             loop {
-                std::thread::sleep(Duration::from_secs(1));
+                std::thread::sleep(CONFIG_POLL_INTERVAL);
                 let now = stamp(&path);
-                let text = std::fs::read_to_string(&path).unwrap_or_default();
-                if now == last && text == last_text {
+                let read = read_config(&path);
+                if now == last && read == last_read {
+                    continue;
+                }
+                std::thread::sleep(CONFIG_SETTLE_DELAY);
+                if read_config(&path) != read {
+                    // Still being written: look again at the next poll.
                     continue;
                 }
                 last = now;
-                last_text.clone_from(&text);
-                match local::parse(&text, &path) {
-                    Ok(mut config) => {
-                        if let Some(td) = &trust_domain {
-                            config.trust_domain.clone_from(td);
-                        }
-                        tracing::info!(config = %path.display(), "config changed: applying");
-                        registry.shared().state.replace(MeshState::new(config.clone()));
-                        registry.shared().metrics.reload(true);
-                        apply_config(&registry, &config, &node);
-                    }
-                    Err(e) => {
-                        registry.shared().metrics.reload(false);
-                        tracing::error!(error = %e, "config change rejected; keeping the last good config");
-                    }
-                }
+                last_read.clone_from(&read);
+                let parsed = read
+                    .map_err(|e| ConfigError::Read {
+                        path: path.clone(),
+                        source: std::io::Error::other(e),
+                    })
+                    .and_then(|text| local::parse(&text, &path));
+                reload(&registry, &path, parsed, &node, trust_domain.as_deref());
             }
         })
         .ok();
+}
+
+/// Applies one reload outcome: a valid config replaces the state (closing
+/// open connections it no longer allows) and is enrolled; an error changes
+/// nothing and is logged and counted.
+fn reload(
+    registry: &PodRegistry,
+    path: &Path,
+    parsed: Result<LocalConfig, ConfigError>,
+    node: &str,
+    trust_domain: Option<&str>,
+) {
+    let shared = registry.shared();
+    match parsed {
+        Ok(mut config) => {
+            if let Some(td) = trust_domain {
+                td.clone_into(&mut config.trust_domain);
+            }
+            tracing::info!(config = %path.display(), "config changed: applying");
+            let closed = shared.publish_state(MeshState::new(config.clone()));
+            if closed > 0 {
+                tracing::info!(closed, "open connections closed by the new policy");
+            }
+            shared.metrics.reload(Ok(()));
+            apply_config(registry, &config, node);
+        }
+        Err(e) => {
+            shared.metrics.reload(Err(e.kind()));
+            tracing::error!(
+                config = %path.display(),
+                reason = e.kind(),
+                error = %e,
+                "config change rejected; keeping the last good config"
+            );
+        }
+    }
 }

@@ -25,7 +25,7 @@ const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ztunnel";
     version,
     about = "eBPF-accelerated node proxy for sidecar-less service meshes",
     long_about = "ztunnel captures the TCP traffic of enrolled pods with eBPF (cgroup connect \
-                  hooks, sock_ops, TC ingress; no iptables) and carries it between nodes in \
+                  hooks, sock_ops, sk_lookup; no iptables) and carries it between nodes in \
                   HBONE tunnels (mTLS + HTTP/2 CONNECT)."
 )]
 struct Cli {
@@ -73,7 +73,8 @@ struct RunArgs {
     /// benchmark's baseline; needs the iptables commands).
     #[arg(long, env = "ZTUNNEL_CAPTURE", value_enum, default_value_t = capture::Backend::Ebpf)]
     capture: capture::Backend,
-    /// How to attach TC programs: tcx links (>= 6.6) or clsact filters.
+    /// How to attach the counting-only TC ingress program: tcx links
+    /// (>= 6.6) or clsact filters. Inbound steering is sk_lookup either way.
     #[arg(long, env = "ZTUNNEL_TC_MODE", value_enum, default_value_t = capture::tc::TcMode::Auto)]
     tc_mode: capture::tc::TcMode,
     /// On exit, remove every attachment and pin ztunnel made. Without it
@@ -178,14 +179,15 @@ enum EnrolAction {
         /// Path of the pod's network namespace (e.g. /var/run/netns/pod).
         #[arg(long)]
         netns: PathBuf,
-        /// Pod name.
-        #[arg(long, default_value = "")]
-        name: String,
-        /// Kubernetes namespace.
-        #[arg(long, default_value = "")]
+        /// Pod name (for logs; default: the uid).
+        #[arg(long)]
+        name: Option<String>,
+        /// Kubernetes namespace. Required: with the service account it makes
+        /// the pod's identity, which ztunnel will not guess.
+        #[arg(long)]
         namespace: String,
-        /// Service account.
-        #[arg(long, default_value = "")]
+        /// Service account (Kubernetes' own default is `default`; say so).
+        #[arg(long)]
         service_account: String,
     },
     /// Remove a pod.
@@ -310,7 +312,7 @@ fn enrol(args: EnrolArgs) -> Result<()> {
                 .with_context(|| format!("cannot open network namespace {}", netns.display()))?
                 .into();
             let info = WorkloadInfo {
-                name,
+                name: name.unwrap_or_else(|| uid.clone()),
                 namespace,
                 service_account,
             };

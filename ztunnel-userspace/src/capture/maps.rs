@@ -242,10 +242,18 @@ impl InboundLegTable {
         let map = ebpf
             .take_map(MAP_INBOUND_LEGS)
             .ok_or_else(|| map_err(MAP_INBOUND_LEGS, "not in the object"))?;
+        let mut map: HashMap<MapData, LegKey, u8> =
+            HashMap::try_from(map).map_err(|e| map_err(MAP_INBOUND_LEGS, e))?;
+        // Entries left by a process that died in the middle of a connect
+        // would otherwise stay forever (the map is pinned). Removing one that
+        // a still-draining predecessor needs only costs that leg a detour
+        // through our plaintext listener.
+        let stale: Vec<LegKey> = map.keys().filter_map(Result::ok).collect();
+        for key in &stale {
+            let _ = map.remove(key);
+        }
         Ok(Self {
-            map: std::sync::Mutex::new(
-                HashMap::try_from(map).map_err(|e| map_err(MAP_INBOUND_LEGS, e))?,
-            ),
+            map: std::sync::Mutex::new(map),
         })
     }
 

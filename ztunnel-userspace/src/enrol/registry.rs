@@ -595,23 +595,32 @@ impl PodRegistry {
 
     /// The identity of pod `uid`: its workload's from the mesh state, or
     /// built from the namespace and service account the enroller sent.
-    pub fn identity_for(&self, uid: &str, namespace: &str, service_account: &str) -> Identity {
+    /// `None` when neither gives one: ztunnel never guesses an identity
+    /// (a made-up `default/default` would let a pod speak as another).
+    pub fn identity_for(
+        &self,
+        uid: &str,
+        namespace: &str,
+        service_account: &str,
+    ) -> Option<Identity> {
         let state = self.shared.state.current();
         if let Some(w) = state.workload(uid) {
-            return state.identity(w);
-        }
-        let or_default = |s: &str| {
-            if s.is_empty() {
-                "default".to_owned()
-            } else {
-                s.to_owned()
+            let identity = state.identity(w);
+            if (!namespace.is_empty() && namespace != identity.namespace)
+                || (!service_account.is_empty() && service_account != identity.service_account)
+            {
+                tracing::warn!(pod = %uid, %identity, namespace, service_account, "the enroller's workload info differs from the mesh config; the config's identity is used");
             }
-        };
-        Identity::new(
+            return Some(identity);
+        }
+        if namespace.is_empty() || service_account.is_empty() {
+            return None;
+        }
+        Some(Identity::new(
             state.trust_domain(),
-            &or_default(namespace),
-            &or_default(service_account),
-        )
+            namespace,
+            service_account,
+        ))
     }
 
     /// The shared proxy parts.

@@ -2,7 +2,9 @@
 //!
 //! Messages follow Istio's ZDS protocol (same message shapes and field
 //! numbers, decoded with prost), so that Istio's CNI agent can later drive
-//! us: `add` (uid, workload info, and the pod's netns fd as `SCM_RIGHTS`),
+//! us: `add` (uid, workload info, and the pod's netns fd as `SCM_RIGHTS`;
+//! an `add` whose workload info lacks the namespace or service account is
+//! refused, since those make the pod's identity),
 //! `keep` (still there), `del`, and `snapshot_sent` (everything not added or
 //! kept on this connection so far is removed). Every request is answered
 //! with an `ack`, whose `error` is empty on success.
@@ -307,12 +309,21 @@ fn handle(
                     add.uid
                 )
             })?;
-            let name = add.workload_info.as_ref().map_or_else(
-                || format!("fd:{}", add.uid),
-                |w| format!("{}/{}", w.namespace, w.name),
-            );
-            let info = add.workload_info.clone().unwrap_or_default();
-            let identity = registry.identity_for(&add.uid, &info.namespace, &info.service_account);
+            let info = workload_info(&add)?;
+            let pod_name = if info.name.is_empty() {
+                &add.uid
+            } else {
+                &info.name
+            };
+            let name = format!("{}/{pod_name}", info.namespace);
+            let identity = registry
+                .identity_for(&add.uid, &info.namespace, &info.service_account)
+                .ok_or_else(|| {
+                    format!(
+                        "add {}: no identity (workload info lacks namespace or service account)",
+                        add.uid
+                    )
+                })?;
             seen.insert(add.uid.clone());
             registry
                 .enrol(EnrolRequest {
@@ -343,6 +354,36 @@ fn handle(
             Ok(())
         }
         None => Err("empty request".into()),
+    }
+}
+
+/// The workload information of an `add`, which must name the namespace and
+/// service account: they make the pod's identity, and guessing them (say,
+/// `default/default`) would hand the pod a certificate, and the policies,
+/// of another workload. The error names the pod and what is missing.
+fn workload_info(add: &AddWorkload) -> Result<&WorkloadInfo, String> {
+    let info = add.workload_info.as_ref().ok_or_else(|| {
+        format!(
+            "add {}: workload_info is missing (namespace and service account are required)",
+            add.uid
+        )
+    })?;
+    let missing: Vec<&str> = [
+        ("workload_info.namespace", &info.namespace),
+        ("workload_info.service_account", &info.service_account),
+    ]
+    .into_iter()
+    .filter(|(_, value)| value.trim().is_empty())
+    .map(|(field, _)| field)
+    .collect();
+    if missing.is_empty() {
+        Ok(info)
+    } else {
+        Err(format!(
+            "add {}: {} must not be empty",
+            add.uid,
+            missing.join(" and ")
+        ))
     }
 }
 
@@ -403,6 +444,44 @@ mod tests {
             WorkloadRequest::decode(bytes.as_slice()).expect("decode"),
             req
         );
+    }
+
+    fn add(info: Option<WorkloadInfo>) -> AddWorkload {
+        AddWorkload {
+            uid: "pod-7".into(),
+            workload_info: info,
+        }
+    }
+
+    #[test]
+    fn an_add_without_workload_info_is_refused_naming_the_pod_and_field() {
+        let err = workload_info(&add(None)).expect_err("no workload info");
+        assert!(
+            err.contains("pod-7") && err.contains("workload_info is missing"),
+            "{err}"
+        );
+        let err = workload_info(&add(Some(WorkloadInfo {
+            name: "web".into(),
+            namespace: "demo".into(),
+            service_account: String::new(),
+        })))
+        .expect_err("no service account");
+        assert!(
+            err.contains("pod-7") && err.contains("workload_info.service_account"),
+            "{err}"
+        );
+        assert!(!err.contains("workload_info.namespace"), "{err}");
+        let err = workload_info(&add(Some(WorkloadInfo::default()))).expect_err("nothing");
+        assert!(
+            err.contains("workload_info.namespace and workload_info.service_account"),
+            "{err}"
+        );
+        let full = add(Some(WorkloadInfo {
+            name: "web".into(),
+            namespace: "demo".into(),
+            service_account: "web".into(),
+        }));
+        assert_eq!(workload_info(&full).expect("complete").namespace, "demo");
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //!   different from the address the connection arrived on -> 400;
 //! - target is one of ztunnel's own ports -> 503;
 //! - connecting to the application fails -> 503;
-//! - otherwise 200, then bytes flow both ways until both sides are done.
+//! - otherwise 200, then bytes flow both ways until both sides are done,
+//!   or until a new policy no longer allows the stream (it is then reset
+//!   and the application's socket closed; see `proxy::connections`).
 //!
 //! A client that is not TLS, offers no `h2`, or presents a certificate we
 //! do not trust fails the handshake; that is logged with its address and
@@ -25,7 +27,10 @@ use tracing::Instrument as _;
 use super::{CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW};
 use crate::{
     identity::{Identity, identity_of},
-    proxy::{is_own_port, next_connection_id, socket_factory::SocketFactory},
+    proxy::{
+        connections::InboundConnection, is_own_port, next_connection_id,
+        socket_factory::SocketFactory,
+    },
 };
 
 /// What the HBONE server of one pod needs.
@@ -171,6 +176,16 @@ async fn stream(
             "target is one of ztunnel's own ports",
         );
     }
+    // Registered before the state is read: a policy published from here on
+    // reaches this connection (proxy::connections).
+    let registration = server.shared.connections.register(InboundConnection {
+        pod: server.pod.clone(),
+        pod_identity: server.identity.clone(),
+        peer_identity: Some(peer_identity.clone()),
+        src: peer,
+        dst: target,
+        path: "hbone",
+    });
     let state = server.shared.state.current();
     let mut src = state.endpoint(peer);
     src.identity = Some(peer_identity.to_string());
@@ -222,7 +237,10 @@ async fn stream(
     );
     // tcp_to_h2 counts (app -> stream, stream -> app); for the record the
     // client is the remote peer: sent = from the client, received = to it.
-    match super::copy::tcp_to_h2(upstream, send, request.into_body()).await {
+    let copy = super::copy::tcp_to_h2(upstream, send, request.into_body());
+    // A revocation drops the copy: the application's socket is closed and
+    // the stream reset, which the client's ztunnel passes on to its app.
+    match registration.unless_revoked(copy).await {
         Ok((to_client, from_client)) => record.close(from_client, to_client, &Ok(())),
         Err(e) => record.close(0, 0, &Err(e.to_string())),
     }

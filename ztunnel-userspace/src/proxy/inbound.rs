@@ -3,7 +3,9 @@
 //! - 15006 (plaintext): `capture_ingress` assigned the SYN here with
 //!   `bpf_sk_assign`, so the accepted socket's local address is the original
 //!   destination. The connection is carried to the application from inside
-//!   the pod with a marked socket.
+//!   the pod with a marked socket. Like every inbound path, it stays
+//!   registered in `connections` while open, so a policy change (e.g. STRICT
+//!   mTLS) closes it.
 //! - 15008 (HBONE) is served by [`crate::hbone::server`].
 
 use std::net::SocketAddr;
@@ -12,7 +14,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 
 use super::{
-    PodContext, ProxyError, is_own_port, next_connection_id, relay, socket_factory::SocketFactory,
+    PodContext, ProxyError, connections::InboundConnection, is_own_port, next_connection_id, relay,
+    socket_factory::SocketFactory,
 };
 
 /// What the inbound path of one pod needs.
@@ -92,6 +95,15 @@ async fn plaintext(
         return Err(ProxyError::OwnPort(dst));
     }
     stream.set_nodelay(true)?;
+    // Registered before the state is read (see `connections`).
+    let registration = ctx.shared.connections.register(InboundConnection {
+        pod: ctx.pod.clone(),
+        pod_identity: ctx.identity.clone(),
+        peer_identity: None,
+        src: client,
+        dst,
+        path: "plaintext",
+    });
     let state = ctx.shared.state.current();
     let src = state.endpoint(client);
     let mut dst_end = state.endpoint(dst);
@@ -125,5 +137,5 @@ async fn plaintext(
         dst_end,
         None,
     );
-    relay(stream, upstream, record).await
+    relay(stream, upstream, record, Some(registration)).await
 }

@@ -8,7 +8,10 @@
 //!   and carries the connection (passthrough TCP for now; HBONE next).
 //! - [`inbound`]: 15006, the accepted socket's local address is the
 //!   original destination; 15008, HBONE (mTLS + CONNECT) termination.
+//! - [`connections`]: the open inbound connections, re-checked against the
+//!   policy whenever the mesh state changes.
 
+pub mod connections;
 pub mod inbound;
 pub mod listeners;
 pub mod outbound;
@@ -28,15 +31,19 @@ use tokio::net::TcpStream;
 use crate::{
     hbone::pool::HbonePool,
     identity::{CertManager, Identity},
-    state::StateHandle,
+    state::{MeshState, StateHandle},
 };
 
 /// What every pod's proxy shares: the mesh state, certificates and the
 /// HBONE connection pool.
 #[derive(Debug, Clone)]
 pub struct Shared {
-    /// Current mesh state (swapped on config reload).
+    /// Current mesh state (swapped on config reload, through
+    /// [`Shared::publish_state`]).
     pub state: StateHandle,
+    /// Open inbound connections (where policy is enforced), so that a new
+    /// state closes those it no longer allows.
+    pub connections: Arc<connections::OpenConnections>,
     /// Workload certificates.
     pub certs: Arc<CertManager>,
     /// Pooled HBONE connections.
@@ -51,6 +58,15 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Replaces the mesh state, then closes the open connections the new
+    /// state denies. Returns how many were closed. (In this order: see
+    /// [`connections`] for why.)
+    pub fn publish_state(&self, state: MeshState) -> usize {
+        self.state.replace(state);
+        self.connections
+            .enforce(&self.state.current(), &self.metrics)
+    }
+
     /// The enrolled pod owning `ip`, when the same-node fast path is on.
     pub fn local_pod(&self, ip: IpAddr) -> Option<PodContext> {
         let pods = self.local_pods.as_ref()?;
@@ -90,7 +106,7 @@ impl PodContext {
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// The kernel had no original destination for an accepted connection.
-    #[error("no original destination recorded for client {0} (not captured by our programs?)")]
+    #[error("no original destination recorded for client {0}: connection reset (fail closed)")]
     NoOrigDst(SocketAddr),
     /// The destination is one of ztunnel's own ports (would loop).
     #[error("destination {0} is one of ztunnel's own ports")]
@@ -137,13 +153,21 @@ pub fn next_connection_id() -> u64 {
 }
 
 /// Copies both ways until both directions are done, honouring half-close,
-/// then closes `record` (metrics and the access log line).
+/// then closes `record` (metrics and the access log line). With `policy`,
+/// a revocation (the policy no longer allows the connection) closes both
+/// sides early.
 pub async fn relay(
     mut downstream: TcpStream,
     mut upstream: TcpStream,
     record: crate::telemetry::ConnectionRecord,
+    policy: Option<connections::Registration>,
 ) -> Result<(), ProxyError> {
-    match tokio::io::copy_bidirectional(&mut downstream, &mut upstream).await {
+    let copy = tokio::io::copy_bidirectional(&mut downstream, &mut upstream);
+    let copied = match policy {
+        Some(registration) => registration.unless_revoked(copy).await,
+        None => copy.await,
+    };
+    match copied {
         Ok((sent, received)) => {
             record.close(sent, received, &Ok(()));
             Ok(())

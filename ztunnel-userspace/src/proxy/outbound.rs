@@ -16,7 +16,11 @@ use std::{
 use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 
-use super::{PodContext, ProxyError, Shared, next_connection_id, relay};
+use super::{
+    PodContext, ProxyError, Shared,
+    connections::{InboundConnection, Registration},
+    next_connection_id, relay,
+};
 use crate::{
     capture::maps::OrigDstTable,
     hbone::{
@@ -61,12 +65,18 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
         let ctx = ctx.clone();
         tokio::spawn(
             async move {
-                let result = match orig {
-                    Some(dst) => {
-                        tracing::Span::current().record("dst", tracing::field::display(dst));
-                        handle(stream, dst, &ctx).await
-                    }
-                    None => Err(ProxyError::NoOrigDst(client)),
+                let result = if let Some(dst) = orig {
+                    tracing::Span::current().record("dst", tracing::field::display(dst));
+                    handle(stream, dst, &ctx).await
+                } else {
+                    // No record: the connect hook or sock_ops could not store
+                    // one (map full, allocation failure) or the client closed
+                    // before we accepted. We cannot know where it was going,
+                    // and guessing would bypass the mesh: reset it so the
+                    // application sees a failure at once instead of a hang.
+                    let _ = stream.set_zero_linger();
+                    drop(stream);
+                    Err(ProxyError::NoOrigDst(client))
                 };
                 if let Err(e) = result {
                     tracing::warn!(error = %e, result = "error", "outbound connection failed");
@@ -79,8 +89,17 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
 
 /// The other end of an outbound connection once it is open.
 pub enum Upstream {
-    /// Plain TCP (passthrough, or the same-node fast path).
+    /// Plain TCP (passthrough).
     Tcp(TcpStream),
+    /// The same-node fast path: TCP into the destination pod, where this
+    /// node enforces the destination's policy, so it stays registered and
+    /// is closed when a new policy denies it.
+    Local {
+        /// The connection into the destination pod.
+        stream: TcpStream,
+        /// Its entry among the open inbound connections.
+        policy: Registration,
+    },
     /// An HBONE `CONNECT` stream.
     Tunnel(Tunnel),
 }
@@ -163,13 +182,26 @@ pub async fn open(
                         "same-node destination has another identity than expected",
                     ));
                 }
+                // Registered before the state for the check is read, so a
+                // policy published meanwhile reaches it (`connections`).
+                let registration = ctx.shared.connections.register(InboundConnection {
+                    pod: local.uid.clone(),
+                    pod_identity: local.identity.clone(),
+                    peer_identity: Some(ctx.pod.identity.clone()),
+                    src: SocketAddr::new(src_ip, client_port),
+                    dst: target,
+                    path: "local",
+                });
                 let peer = Peer {
                     identity: Some(&ctx.pod.identity),
                     ip: src_ip,
                 };
-                if let Err((policy, reason)) =
-                    state.authorize_inbound(&local.uid, &local.identity, &peer, target.port())
-                {
+                if let Err((policy, reason)) = ctx.shared.state.current().authorize_inbound(
+                    &local.uid,
+                    &local.identity,
+                    &peer,
+                    target.port(),
+                ) {
                     telemetry::connection::denied(
                         metrics, &src, &dst_end, "outbound", &policy, &reason,
                     );
@@ -193,7 +225,13 @@ pub async fn open(
                     dst_end,
                     service.as_deref(),
                 );
-                return Ok((Upstream::Tcp(upstream), record));
+                return Ok((
+                    Upstream::Local {
+                        stream: upstream,
+                        policy: registration,
+                    },
+                    record,
+                ));
             }
             let key = PoolKey {
                 src_ip,
@@ -251,7 +289,11 @@ pub async fn carry(
     record: ConnectionRecord,
 ) -> Result<(), ProxyError> {
     match upstream {
-        Upstream::Tcp(upstream) => relay(stream, upstream, record).await,
+        Upstream::Tcp(upstream) => relay(stream, upstream, record, None).await,
+        Upstream::Local {
+            stream: upstream,
+            policy,
+        } => relay(stream, upstream, record, Some(policy)).await,
         Upstream::Tunnel(tunnel) => match copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await {
             Ok((sent, received)) => {
                 record.close(sent, received, &Ok(()));

@@ -24,6 +24,13 @@
 //! [`parse`] is a pure function from text to state; syntax and type errors
 //! carry the line and column, and every semantic problem is reported at
 //! once, each naming the field at fault (`workloads[2].uid`).
+//!
+//! A file with no document in it (zero bytes, only whitespace, comments or
+//! `---`) is an error, not an empty mesh: that is what an editor or
+//! `cat > mesh.yaml` leaves for a moment while saving, and taking it as "no
+//! workloads" would un-enrol every pod until the next read, letting their
+//! traffic bypass the mesh. A mesh without workloads on purpose is written
+//! as a document, e.g. `workloads: []`.
 
 use std::{
     collections::HashSet,
@@ -97,6 +104,15 @@ pub enum ConfigError {
         /// serde_yaml's message, which includes "at line L column C".
         message: String,
     },
+    /// The file holds no document at all (zero bytes, whitespace, comments).
+    #[error(
+        "config {path} is empty (no YAML document, only whitespace or comments); \
+         write `workloads: []` for a mesh without workloads"
+    )]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
     /// The document parsed but says something impossible.
     #[error("config {path} is invalid:\n  - {}", problems.join("\n  - "))]
     Invalid {
@@ -105,6 +121,19 @@ pub enum ConfigError {
         /// Every problem found.
         problems: Vec<String>,
     },
+}
+
+impl ConfigError {
+    /// A short label for metrics and logs: `unreadable`, `empty`, `syntax`
+    /// or `invalid`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Read { .. } => "unreadable",
+            Self::Empty { .. } => "empty",
+            Self::Syntax { .. } => "syntax",
+            Self::Invalid { .. } => "invalid",
+        }
+    }
 }
 
 /// Reads and parses a config file.
@@ -118,14 +147,21 @@ pub fn load(path: &Path) -> Result<LocalConfig, ConfigError> {
 
 /// Parses and validates config text; `path` only labels errors.
 pub fn parse(text: &str, path: &Path) -> Result<LocalConfig, ConfigError> {
-    let config: LocalConfig = if text.trim().is_empty() {
-        LocalConfig::default()
-    } else {
-        serde_yaml::from_str(text).map_err(|e| ConfigError::Syntax {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?
+    let syntax = |e: serde_yaml::Error| ConfigError::Syntax {
+        path: path.to_path_buf(),
+        message: e.to_string(),
     };
+    // Emptiness is judged on the document, not the bytes, so that a file of
+    // comments (or a bare `---`) counts too. A YAML error here is reported
+    // by the typed parse below, which names the same line.
+    if text.trim().is_empty()
+        || serde_yaml::from_str::<serde_yaml::Value>(text).is_ok_and(|v| v.is_null())
+    {
+        return Err(ConfigError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    let config: LocalConfig = serde_yaml::from_str(text).map_err(syntax)?;
     let problems = validate(&config);
     if problems.is_empty() {
         Ok(config)
@@ -269,10 +305,39 @@ workloads:
     }
 
     #[test]
-    fn empty_file_is_an_empty_mesh() {
-        assert_eq!(
-            parse("", Path::new("x")).expect("empty ok"),
-            LocalConfig::default()
-        );
+    fn a_file_without_a_document_is_rejected_naming_the_file() {
+        for text in ["", "   \n\t\n", "# saving...\n  # more\n", "---\n", "~\n"] {
+            let err = parse(text, Path::new("/etc/mesh.yaml"))
+                .expect_err(&format!("{text:?} must be rejected"));
+            assert!(
+                matches!(err, ConfigError::Empty { .. }),
+                "{text:?}: {err:?}"
+            );
+            assert_eq!(err.kind(), "empty");
+            let shown = err.to_string();
+            assert!(
+                shown.contains("/etc/mesh.yaml") && shown.contains("empty"),
+                "{shown}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_explicitly_empty_mesh_is_valid() {
+        for text in ["workloads: []\n", "trustDomain: cluster.local\n"] {
+            let c = parse(text, Path::new("x")).expect("explicit empty mesh is valid");
+            assert!(c.workloads.is_empty(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn error_kinds_label_what_went_wrong() {
+        let syntax = parse("workloads: [", Path::new("x")).expect_err("syntax");
+        assert_eq!(syntax.kind(), "syntax", "{syntax}");
+        let invalid = parse("trustDomain: \"a/b\"\n", Path::new("x")).expect_err("invalid");
+        assert_eq!(invalid.kind(), "invalid", "{invalid}");
+        let unreadable = load(Path::new("/nonexistent/mesh.yaml")).expect_err("unreadable");
+        assert_eq!(unreadable.kind(), "unreadable", "{unreadable}");
+        assert!(unreadable.to_string().contains("/nonexistent/mesh.yaml"));
     }
 }

@@ -26,10 +26,11 @@
 //! - Plaintext connections (port 15006) have no principal and no
 //!   namespace: rules on those never match them. `STRICT` mTLS refuses them
 //!   outright.
-//! - Policy is evaluated when a connection opens. A change does not close
-//!   connections that are already open: like Istio's ztunnel, we decided
-//!   that an edit must never cut live traffic; operators who need that
-//!   restart the workloads.
+//! - Policy is evaluated when a connection opens, and again for every open
+//!   connection whenever the mesh state changes: like Istio's ztunnel, a
+//!   connection the new policy denies is closed (a DENY added to stop a
+//!   workload must stop what it already holds open, too). The open
+//!   connections are tracked in `proxy::connections`.
 
 use std::{collections::BTreeMap, net::IpAddr};
 

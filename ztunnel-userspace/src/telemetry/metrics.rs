@@ -45,6 +45,9 @@ pub struct DenialLabels {
 pub struct ReloadLabels {
     /// `accepted` or `rejected`.
     pub result: String,
+    /// Why a reload was rejected (`unreadable`, `empty`, `syntax`,
+    /// `invalid`); `-` when accepted.
+    pub reason: String,
 }
 
 /// Labels of capture counters.
@@ -76,6 +79,10 @@ pub struct Metrics {
     pub denials: Family<DenialLabels, Counter>,
     /// `ztunnel_config_reloads_total`.
     pub reloads: Family<ReloadLabels, Counter>,
+    /// `ztunnel_connections_closed_by_policy_total`: open connections closed
+    /// because a new state no longer allows them (refusals at open are in
+    /// `denials`).
+    pub policy_closes: Family<DenialLabels, Counter>,
     /// `ztunnel_capture_events_total` (from the kernel maps, set at scrape).
     pub capture: Family<CaptureLabels, Gauge>,
     /// `ztunnel_hbone_pool_connections` (set at scrape).
@@ -108,6 +115,7 @@ impl Metrics {
             received: Family::default(),
             denials: Family::default(),
             reloads: Family::default(),
+            policy_closes: Family::default(),
             capture: Family::default(),
             pool_connections: Gauge::default(),
             handshakes: Gauge::default(),
@@ -144,6 +152,11 @@ impl Metrics {
             "ztunnel_config_reloads",
             "Config reloads, by result",
             this.reloads.clone(),
+        );
+        registry.register(
+            "ztunnel_connections_closed_by_policy",
+            "Open connections closed because a policy change no longer allows them, by policy",
+            this.policy_closes.clone(),
         );
         registry.register(
             "ztunnel_capture_events",
@@ -207,12 +220,26 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts a config reload.
-    pub fn reload(&self, accepted: bool) {
-        let result = if accepted { "accepted" } else { "rejected" };
+    /// Counts a config reload: `Ok(())` when applied, `Err(reason)` when
+    /// rejected (the last good state stays).
+    pub fn reload(&self, outcome: Result<(), &str>) {
+        let (result, reason) = match outcome {
+            Ok(()) => ("accepted", "-"),
+            Err(reason) => ("rejected", reason),
+        };
         self.reloads
             .get_or_create(&ReloadLabels {
                 result: result.into(),
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// Counts an open connection closed because `policy` no longer allows it.
+    pub fn closed_by_policy(&self, policy: &str) {
+        self.policy_closes
+            .get_or_create(&DenialLabels {
+                policy: policy.to_owned(),
             })
             .inc();
     }
