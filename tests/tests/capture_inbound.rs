@@ -55,7 +55,8 @@ fn inbound_connections_reach_the_plaintext_listener_with_their_original_destinat
         flows::assert_ok(&flows::client(client, *dst, &run));
         let after = z.counters();
         assert_eq!(
-            after.get(Counter::LookupSteeredPlaintext) - before.get(Counter::LookupSteeredPlaintext),
+            after.get(Counter::LookupSteeredPlaintext)
+                - before.get(Counter::LookupSteeredPlaintext),
             1,
             "{after:?}"
         );
@@ -167,7 +168,8 @@ fn exclusions_and_opt_outs_pass_untouched() {
             from.name
         );
         let moved = after.get(Counter::ConnectRedirected) > before.get(Counter::ConnectRedirected)
-            || after.get(Counter::LookupSteeredPlaintext) > before.get(Counter::LookupSteeredPlaintext);
+            || after.get(Counter::LookupSteeredPlaintext)
+                > before.get(Counter::LookupSteeredPlaintext);
         assert_eq!(
             moved, redirected,
             "{}->{to}: captured={moved}, expected {redirected}",
@@ -188,7 +190,12 @@ fn exclusions_and_opt_outs_pass_untouched() {
     check(other, sa(app.ip, 8081), Counter::LookupExcluded, false);
     check(prober, sa(app.ip, 8080), Counter::LookupExcluded, false);
     // Inbound control: the same port from another source is captured.
-    check(other, sa(app.ip, 8080), Counter::LookupSteeredPlaintext, true);
+    check(
+        other,
+        sa(app.ip, 8080),
+        Counter::LookupSteeredPlaintext,
+        true,
+    );
     // A pod that opted out of both directions.
     check(
         optout,
