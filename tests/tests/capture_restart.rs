@@ -3,12 +3,15 @@
 
 use std::{net::SocketAddr, time::Duration};
 
+use aya::maps::{MapData, PerCpuArray};
 use ztunnel_tests::{
     Cluster,
+    cgroup::TestCgroup,
     flows::{self, ClientRun, WorkloadEntry},
     kernel::{attach_type, cgroup_program_count, tcx_ingress_programs},
+    process::{PodProcess, command_in},
     require_root,
-    ztunnel::{Ztunnel, pins_below},
+    ztunnel::{Ztunnel, ZtunnelPaths, pins_below, sibling_bin},
 };
 
 fn assert_single_attachments(cluster: &Cluster, pod_netns: &std::path::Path) {
@@ -157,5 +160,53 @@ fn removing_every_pod_then_stopping_leaves_no_pins() {
         pins_below(&z.bpffs).is_empty(),
         "pins left: {:?}",
         pins_below(&z.bpffs)
+    );
+}
+
+#[test]
+fn pins_from_an_incompatible_build_are_refused_by_name() {
+    if !require_root("pins_from_an_incompatible_build_are_refused_by_name") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-a");
+    let paths = ZtunnelPaths::for_node(&cluster, node);
+    // What an older build could have left: a counters map of another size.
+    let maps = paths.bpffs.join("maps");
+    std::fs::create_dir_all(&maps).expect("pin folder");
+    let pin = maps.join(ztunnel_common::MAP_COUNTERS);
+    PerCpuArray::<MapData, u64>::create(3, 0)
+        .expect("create map")
+        .pin(&pin)
+        .expect("pin map");
+    let cgroup = TestCgroup::create(&format!("{}/ztunnel-refused", cluster.prefix()));
+    let mut cmd = command_in(
+        &cluster.node(node).netns().path(),
+        &cgroup.procs(),
+        &sibling_bin("ztunnel"),
+    );
+    cmd.args(["run", "--node-name", "node-a"])
+        .arg("--cgroup")
+        .arg(cluster.cgroup())
+        .arg("--bpffs")
+        .arg(&paths.bpffs)
+        .arg("--enrol-socket")
+        .arg(&paths.socket)
+        .arg("--ca-dir")
+        .arg(cluster.dir().join("dev-ca"));
+    let done = PodProcess::spawn("ztunnel-refused", cmd).wait(Duration::from_secs(30));
+    assert!(
+        !done.status.success(),
+        "ztunnel started over a foreign pin: {done:?}"
+    );
+    assert!(
+        done.stderr.contains("CAPTURE_COUNTERS") && done.stderr.contains("another ztunnel build"),
+        "the error does not name the pin: {}",
+        done.stderr
+    );
+    // It touched nothing: no program was attached to the cgroup.
+    assert_eq!(
+        cgroup_program_count(cluster.cgroup(), attach_type::INET4_CONNECT),
+        0
     );
 }

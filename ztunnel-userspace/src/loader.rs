@@ -65,6 +65,23 @@ pub enum LoaderError {
         /// What aya said (includes the verifier log).
         source: aya::programs::ProgramError,
     },
+    /// A pinned map was made by a build whose map layout differs.
+    #[error(
+        "pinned map {path} was made by another ztunnel build ({found}; this build needs \
+         {wanted}): stop that ztunnel with `--cleanup` (or remove the pin folder once no pod \
+         is enrolled) before starting this one; reusing it would break capture"
+    )]
+    IncompatiblePin {
+        /// The pin.
+        path: std::path::PathBuf,
+        /// What the pinned map is.
+        found: String,
+        /// What this build's object declares.
+        wanted: String,
+    },
+    /// The embedded object cannot be parsed.
+    #[error("the embedded eBPF object cannot be parsed: {0}")]
+    Parse(String),
     /// The object lacks something we expect (a build mismatch).
     #[error("the embedded eBPF object has no {0}: rebuild with `cargo xtask build-ebpf`")]
     Missing(String),
@@ -125,6 +142,7 @@ pub fn raise_nofile() {
 /// Probes the kernel and loads every program, with maps pinned under `pins`.
 pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
     probe::check_kernel()?;
+    check_pinned_maps(pins)?;
     raise_memlock();
     raise_nofile();
     let mut ebpf = EbpfLoader::new()
@@ -169,6 +187,48 @@ pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
         log_stop,
         log_thread,
     })
+}
+
+/// Refuses to start over pinned maps whose type, key, value or size differ
+/// from this build's. aya reuses a pinned map by name without comparing:
+/// after an upgrade that changed a map, the programs would run against the
+/// old shape (counters silently lost, lookups failing) instead of failing
+/// loudly here.
+fn check_pinned_maps(pins: &PinRoot) -> Result<(), LoaderError> {
+    let object =
+        aya_obj::Object::parse(EBPF_OBJECT).map_err(|e| LoaderError::Parse(e.to_string()))?;
+    for (name, map) in &object.maps {
+        let path = pins.maps().join(name);
+        if !path.exists() {
+            continue;
+        }
+        let shape = |kind: u32, key: u32, value: u32, entries: u32| {
+            format!("type {kind}, key {key} B, value {value} B, {entries} entries")
+        };
+        let wanted = shape(
+            map.map_type(),
+            map.key_size(),
+            map.value_size(),
+            map.max_entries(),
+        );
+        let found = match aya::maps::MapData::from_pin(&path).and_then(|m| m.info()) {
+            Ok(info) => shape(
+                info.map_type().map_or(u32::MAX, |t| t as u32),
+                info.key_size(),
+                info.value_size(),
+                info.max_entries(),
+            ),
+            Err(e) => format!("unreadable: {e}"),
+        };
+        if found != wanted {
+            return Err(LoaderError::IncompatiblePin {
+                path,
+                found,
+                wanted,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Looks a program up by name and converts it to its concrete type.
