@@ -166,12 +166,18 @@ impl Ztunnel {
             if self.log().contains(needle) {
                 return;
             }
-            if let Some(p) = &self.process {
+            if let Some(p) = &self.process
+                && !p.is_running()
+            {
+                // It may have written the line and exited between our read
+                // and this check (e.g. "drained" right before exit): read
+                // once more before calling it a failure.
+                let log = self.log();
                 assert!(
-                    p.is_running(),
-                    "ztunnel exited while waiting for {needle:?}; log:\n{}",
-                    self.log()
+                    log.contains(needle),
+                    "ztunnel exited while waiting for {needle:?}; log:\n{log}"
                 );
+                return;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
