@@ -30,7 +30,7 @@ fn main() {
     if let Err(problem) = artifact.check_current(&workspace) {
         eprintln!(
             "error: ztunnel-userspace embeds the eBPF object, but {problem}.\n\
-             Run `cargo xtask build-ebpf --release` (or `cargo xtask test`) first."
+             Run `cargo xtask build-ebpf` (or `cargo xtask test`) first."
         );
         std::process::exit(1);
     }

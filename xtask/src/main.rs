@@ -1,6 +1,6 @@
 //! `cargo xtask`: build, test and demo automation for ztunnel-rs.
 //!
-//! - `build-ebpf [--release]`: prepares nightly + bpf-linker, builds the
+//! - `build-ebpf`: prepares nightly + bpf-linker, builds the (release)
 //!   kernel object, places it for `ztunnel-userspace` to embed.
 //! - `test`: the one test command (eBPF build, clippy, unit tests,
 //!   privileged integration tests one at a time, summary line).
@@ -32,9 +32,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Build the eBPF object (installs rust-src and builds bpf-linker if needed).
+    /// Always the release profile: every kernel we tried rejects the dev-profile
+    /// object, and one object path shared by two profiles let a dev build slip
+    /// into release binaries.
     BuildEbpf {
-        /// Build with the release profile (what tests and the daemon use).
-        #[arg(long)]
+        /// Accepted for old scripts; the object is always built with the
+        /// release profile.
+        #[arg(long, hide = true)]
         release: bool,
     },
     /// Run every check and test; ends with `N passed, N failed, N skipped`.
@@ -58,7 +62,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let root = workspace_root()?;
     match cli.command {
-        Cmd::BuildEbpf { release } => ebpf::build(&root, release),
+        Cmd::BuildEbpf { release: _ } => ebpf::build(&root, true),
         Cmd::Test(args) => test::run(&root, &args),
         Cmd::Demo(args) => demo::run(&root, &args),
         Cmd::Bench(args) => bench::run(&root, &args),
