@@ -46,8 +46,38 @@ impl Tally {
     }
 }
 
+/// One test binary's progress, from libtest's `running N tests` line to its
+/// `test result:` line.
+#[derive(Default)]
+struct Binary {
+    expected: u64,
+    reported: u64,
+    open: bool,
+}
+
+impl Binary {
+    /// A binary that announced `expected` tests but printed no result line
+    /// crashed (or was killed): every test it did not report counts as
+    /// failed.
+    fn close_crashed(&mut self, tally: &mut Tally) {
+        if self.open {
+            let missing = self.expected.saturating_sub(self.reported).max(1);
+            tally.failed += missing;
+            tally.failures.push(format!(
+                "a test binary stopped after {} of its {} tests without a result line (crash?)",
+                self.reported, self.expected
+            ));
+        }
+        *self = Self::default();
+    }
+}
+
 /// Runs `cargo <args>` streaming its output, and adds up libtest's
-/// `test result:` lines. Returns whether cargo succeeded.
+/// `test result:` lines. Honest counting: a binary that crashes after its
+/// `running N tests` line counts its unreported tests as failed, a result
+/// line whose totals differ from the announced number is a failure, and a
+/// failing cargo that reported no failure counts as one. Returns whether
+/// cargo succeeded.
 fn cargo_test(
     workspace: &Path,
     args: &[&str],
@@ -64,32 +94,65 @@ fn cargo_test(
         .spawn()
         .with_context(|| format!("could not run cargo {}", args.join(" ")))?;
     let stdout = child.stdout.take().context("piped stdout")?;
-    let mut saw_result = false;
+    let failed_before = tally.failed;
+    let mut binary = Binary::default();
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         println!("{line}");
-        if let Some((passed, failed)) = parse_result(&line) {
-            saw_result = true;
-            tally.passed += passed;
-            tally.failed += failed;
+        if let Some(n) = parse_running(&line) {
+            binary.close_crashed(tally);
+            binary = Binary {
+                expected: n,
+                reported: 0,
+                open: true,
+            };
+        }
+        if line.starts_with("test ") && (line.ends_with(" ... ok") || line.ends_with(" ... ignored"))
+        {
+            binary.reported += 1;
         }
         if let Some(name) = line
             .strip_prefix("test ")
             .and_then(|l| l.strip_suffix(" ... FAILED"))
         {
+            binary.reported += 1;
             tally.failures.push(name.to_owned());
         }
+        if let Some((passed, failed, ignored)) = parse_result(&line) {
+            tally.passed += passed;
+            tally.failed += failed;
+            if binary.open && passed + failed + ignored != binary.expected {
+                tally.failed += 1;
+                tally.failures.push(format!(
+                    "a test binary announced {} tests but reported {}",
+                    binary.expected,
+                    passed + failed + ignored
+                ));
+            }
+            binary = Binary::default();
+        }
     }
+    binary.close_crashed(tally);
     let ok = child.wait()?.success();
-    if !ok && !saw_result {
-        // Did not even compile or start: count the whole step as one failure.
+    if !ok && tally.failed == failed_before {
+        // Failed without a failing test: did not compile, or crashed
+        // before any binary started. Count the whole step as one failure.
         tally.step(label, false);
     }
     Ok(ok)
 }
 
-/// `test result: ok. 4 passed; 0 failed; 1 ignored; ...` -> (4, 0).
-fn parse_result(line: &str) -> Option<(u64, u64)> {
+/// `running 5 tests` -> 5.
+fn parse_running(line: &str) -> Option<u64> {
+    let rest = line.trim().strip_prefix("running ")?;
+    let n = rest
+        .strip_suffix(" tests")
+        .or_else(|| rest.strip_suffix(" test"))?;
+    n.parse().ok()
+}
+
+/// `test result: ok. 4 passed; 1 failed; 2 ignored; ...` -> (4, 1, 2).
+fn parse_result(line: &str) -> Option<(u64, u64, u64)> {
     let rest = line.trim().strip_prefix("test result: ")?;
     let number_before = |word: &str| {
         rest.split(';').find_map(|part| {
@@ -101,7 +164,11 @@ fn parse_result(line: &str) -> Option<(u64, u64)> {
                 .ok()
         })
     };
-    Some((number_before(" passed")?, number_before(" failed")?))
+    Some((
+        number_before(" passed")?,
+        number_before(" failed")?,
+        number_before(" ignored").unwrap_or(0),
+    ))
 }
 
 fn check(workspace: &Path, name: &str, args: &[&str], tally: &mut Tally) -> Result<()> {
@@ -160,6 +227,7 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
             "ztunnel-tests",
             "--lib",
             "--bins",
+            "--no-fail-fast",
         ],
         &[],
         &mut tally,
@@ -196,6 +264,7 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         "ztunnel-tests",
         "--test",
         "*",
+        "--no-fail-fast",
         "--",
         "--test-threads=1",
     ];
@@ -265,12 +334,31 @@ fn finish(tally: &Tally) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_result;
+    use super::{Binary, Tally, parse_result, parse_running};
 
     #[test]
     fn parses_libtest_summary() {
         let line = "test result: ok. 4 passed; 1 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1.6s";
-        assert_eq!(parse_result(line), Some((4, 1)));
+        assert_eq!(parse_result(line), Some((4, 1, 2)));
         assert_eq!(parse_result("running 4 tests"), None);
+        assert_eq!(parse_running("running 4 tests"), Some(4));
+        assert_eq!(parse_running("running 1 test"), Some(1));
+        assert_eq!(parse_running("test result: ok."), None);
+    }
+
+    #[test]
+    fn a_binary_without_a_result_line_counts_its_missing_tests_as_failed() {
+        let mut tally = Tally::default();
+        let mut binary = Binary {
+            expected: 5,
+            reported: 2,
+            open: true,
+        };
+        binary.close_crashed(&mut tally);
+        assert_eq!(tally.failed, 3);
+        assert_eq!(tally.failures.len(), 1);
+        // A closed binary adds nothing.
+        binary.close_crashed(&mut tally);
+        assert_eq!(tally.failed, 3);
     }
 }
