@@ -53,7 +53,7 @@ pub fn accelerate_local_leg(ctx: SkMsgContext) -> u32 {
         remote_port: u32::from(remote_port_host(fields.remote_port)),
     };
     // SAFETY: plain-data value, only tested for presence.
-    if unsafe { LOCAL_LEG_TCP_ONLY.get(&me) }.is_some() {
+    if unsafe { LOCAL_LEG_TCP_ONLY.get(me) }.is_some() {
         count(Counter::LocalLegPassed);
         return SK_PASS;
     }
@@ -61,7 +61,7 @@ pub fn accelerate_local_leg(ctx: SkMsgContext) -> u32 {
         // Bytes redirected earlier are read before these (the receiver
         // drains its sockmap queue first), so switching to TCP here keeps
         // the order; switching back never happens.
-        let _ = LOCAL_LEG_TCP_ONLY.insert(&me, &1, 0);
+        let _ = LOCAL_LEG_TCP_ONLY.insert(me, 1, 0);
         count(Counter::LocalLegPassed);
         return SK_PASS;
     }
@@ -72,7 +72,7 @@ pub fn accelerate_local_leg(ctx: SkMsgContext) -> u32 {
     } else {
         // Once bytes of this direction went through TCP, later bytes must
         // too, or the receiver could read them out of order.
-        let _ = LOCAL_LEG_TCP_ONLY.insert(&me, &1, 0);
+        let _ = LOCAL_LEG_TCP_ONLY.insert(me, 1, 0);
         count(Counter::LocalLegPassed);
     }
     SK_PASS

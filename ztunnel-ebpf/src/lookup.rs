@@ -77,7 +77,7 @@ unsafe fn try_capture_lookup(ctx: &SkLookupContext) -> u32 {
         remote_port,
     };
     // SAFETY: plain-data value, only tested for presence.
-    if unsafe { INBOUND_LEGS.get(&leg) }.is_some() {
+    if unsafe { INBOUND_LEGS.get(leg) }.is_some() {
         count(Counter::LookupLegPassed);
         return SK_PASS;
     }

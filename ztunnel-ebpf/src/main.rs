@@ -16,6 +16,12 @@
 //! it. Nothing else is rejected or dropped.
 #![no_std]
 #![no_main]
+// aya's program macros hand each program its context by value.
+#![allow(clippy::needless_pass_by_value)]
+// Small helpers are forced inline on purpose: a BPF-to-BPF call costs
+// stack frames (512 bytes for the whole chain) and some context-derived
+// pointers must not cross a call for the verifier to keep their types.
+#![allow(clippy::inline_always)]
 
 mod accel;
 mod inbound;

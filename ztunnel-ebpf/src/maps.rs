@@ -102,6 +102,9 @@ impl<T> PinnedSkStorage<T> {
     /// # Safety
     /// `sk` must be a socket pointer the verifier accepts for
     /// `bpf_sk_storage_get` (a full socket from the program's context).
+    // The storage belongs to the kernel, not to `self`; like every map
+    // value it is handed out as a mutable pointer.
+    #[allow(clippy::mut_from_ref)]
     #[inline(always)]
     pub unsafe fn get(&self, sk: *mut core::ffi::c_void) -> Option<&mut T> {
         // SAFETY: forwarded from the caller; the map pointer is this static.
@@ -122,6 +125,7 @@ impl<T> PinnedSkStorage<T> {
     ///
     /// # Safety
     /// As for [`Self::get`].
+    #[allow(clippy::mut_from_ref)]
     #[inline(always)]
     pub unsafe fn get_or_create(&self, sk: *mut core::ffi::c_void) -> Option<&mut T> {
         // SAFETY: as above.
@@ -159,7 +163,7 @@ pub fn in_cidrs(trie: &LpmTrie<IpBytes, u8>, addr: IpBytes) -> bool {
 #[inline(always)]
 pub fn port_listed(map: &HashMap<u16, u8>, port: u16) -> bool {
     // SAFETY: the value is a plain `u8` that we only test for presence.
-    unsafe { map.get(&port).is_some() }
+    unsafe { map.get(port).is_some() }
 }
 
 /// Whether `--sockmap on` was given.

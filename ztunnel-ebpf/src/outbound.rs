@@ -104,7 +104,7 @@ unsafe fn classify(
     // SAFETY: valid context pointer for this helper in sock_addr programs.
     let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
     // SAFETY: plain-data value, only read.
-    let Some(pod) = (unsafe { POD_CAPTURE.get(&netns) }) else {
+    let Some(pod) = (unsafe { POD_CAPTURE.get(netns) }) else {
         count(Counter::ConnectNotEnrolled);
         return None;
     };

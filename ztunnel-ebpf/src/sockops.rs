@@ -82,7 +82,7 @@ unsafe fn try_capture_sockops(ctx: &SockOpsContext) -> Result<(), ()> {
         local_port == OUTBOUND_PORT
     };
     // SAFETY: plain-data value, only tested for presence.
-    if !local_leg || unsafe { POD_CAPTURE.get(&netns) }.is_none() {
+    if !local_leg || unsafe { POD_CAPTURE.get(netns) }.is_none() {
         return Ok(());
     }
     let mut key = SockKey {
@@ -138,7 +138,7 @@ unsafe fn record_orig_dst(ctx: &SockOpsContext) -> Result<(), ()> {
         .ok_or(())?;
     // SAFETY: forwarded.
     let key = unsafe { client_key(ctx) }.ok_or(())?;
-    if ORIG_DST.insert(&key, &orig, u64::from(BPF_ANY)).is_ok() {
+    if ORIG_DST.insert(key, orig, u64::from(BPF_ANY)).is_ok() {
         count(Counter::OrigDstRecorded);
     } else {
         // Fail closed without a bypass: the connection still goes to the
@@ -160,7 +160,7 @@ unsafe fn forget_orig_dst(ctx: &SockOpsContext) -> Result<(), ()> {
     }
     // SAFETY: forwarded.
     let key = unsafe { client_key(ctx) }.ok_or(())?;
-    if ORIG_DST.remove(&key).is_ok() {
+    if ORIG_DST.remove(key).is_ok() {
         count(Counter::OrigDstRemovedAtClose);
     }
     Ok(())
