@@ -96,7 +96,7 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
     flows::assert_ok(&flows::client(other, inbound_dst, &run));
     assert_single_attachments(&cluster, &app.netns_path());
     // After the grace period nothing is considered stale.
-    std::thread::sleep(Duration::from_millis(1500));
+    z2.wait_for_log("stale kernel state check done", Duration::from_secs(10));
     assert_eq!(z2.pins(), pins_before, "restart leaked or lost pins");
 
     // A clean stop with pods enrolled keeps the attachments (fail closed)...

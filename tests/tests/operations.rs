@@ -241,9 +241,6 @@ fn metrics_admin_readiness_and_drain() {
             },
         ));
     }
-    std::thread::sleep(Duration::from_millis(300));
-    let (status, text) = node_get(&cluster, nb, &cg, "127.0.0.1:15020", "/metrics");
-    assert_eq!(status, 200);
     let labels = [
         "reporter=\"destination\"",
         "source_workload=\"a\"",
@@ -253,6 +250,18 @@ fn metrics_admin_readiness_and_drain() {
         "destination_principal=\"spiffe://cluster.local/ns/test/sa/web\"",
         "connection_security_policy=\"mutual_tls\"",
     ];
+    // The server side records a connection when its copy ends, a moment
+    // after the client is done: wait for all three (bounded), then check.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let (status, text) = node_get(&cluster, nb, &cg, "127.0.0.1:15020", "/metrics");
+        assert_eq!(status, 200);
+        let closed = metric(&text, "istio_tcp_connections_closed_total", &labels);
+        if closed == Some(3) || std::time::Instant::now() >= deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert_eq!(
         metric(&text, "istio_tcp_connections_opened_total", &labels),
         Some(3),
@@ -340,6 +349,7 @@ fn metrics_admin_readiness_and_drain() {
 }
 
 fn drain(cluster: &Cluster, zb: &mut Ztunnel, a: &ztunnel_tests::Pod, dst: SocketAddr) {
+    let opened_before = zb.count_log_lines(&["inbound connection opened"]);
     std::thread::scope(|scope| {
         let long = scope.spawn(|| {
             let run = ClientRun {
@@ -351,8 +361,17 @@ fn drain(cluster: &Cluster, zb: &mut Ztunnel, a: &ztunnel_tests::Pod, dst: Socke
             };
             flows::client(a, dst, &run)
         });
-        // Let it get going, then ask ztunnel (node b, the server side) to stop.
-        std::thread::sleep(Duration::from_millis(800));
+        // Once it is open on node b (the server side), ask that ztunnel to
+        // stop.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while zb.count_log_lines(&["inbound connection opened"]) <= opened_before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the long transfer never opened on node b:\n{}",
+                zb.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         zb.signal(Signal::SIGTERM);
         zb.wait_for_log("draining", Duration::from_secs(5));
         // The pod's listeners are closed: a new connection into web fails.

@@ -240,8 +240,9 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         let grace = settings.reconcile_grace;
         std::thread::spawn(move || {
             std::thread::sleep(grace);
-            if let Err(e) = registry.remove_stale_kernel_state() {
-                tracing::warn!(error = %e, "removing stale kernel state failed");
+            match registry.remove_stale_kernel_state() {
+                Ok(removed) => tracing::debug!(removed, "stale kernel state check done"),
+                Err(e) => tracing::warn!(error = %e, "removing stale kernel state failed"),
             }
         });
     }
