@@ -14,9 +14,12 @@ pub mod attach_type {
     pub const INET4_CONNECT: u32 = 10;
     /// `BPF_CGROUP_INET6_CONNECT`.
     pub const INET6_CONNECT: u32 = 11;
+    /// `BPF_SK_LOOKUP` (queried on a network namespace, not a cgroup).
+    pub const SK_LOOKUP: u32 = 36;
 }
 
-/// Number of programs attached directly to `cgroup` for `attach_type`.
+/// Number of programs attached directly to `cgroup` for `attach_type`
+/// (also works on a network namespace's path for [`attach_type::SK_LOOKUP`]).
 pub fn cgroup_program_count(cgroup: &Path, attach_type: u32) -> u32 {
     const BPF_PROG_QUERY: libc::c_long = 16;
     #[repr(C)]

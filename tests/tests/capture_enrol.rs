@@ -17,7 +17,7 @@ use ztunnel_common::Counter;
 use ztunnel_tests::{
     Cluster,
     flows::{self, ClientRun},
-    kernel::tcx_ingress_programs,
+    kernel::{attach_type, cgroup_program_count, tcx_ingress_programs},
     require_root,
     ztunnel::{Ztunnel, sibling_bin},
 };
@@ -70,9 +70,13 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
         before.get(Counter::ConnectRedirected) + 1
     );
 
-    // Enrolling again is a no-op.
+    // Enrolling again is a no-op: still one program per hook.
     assert!(enrol(&z, &add).status.success());
     assert_eq!(z.count_log_lines(&["pod enrolled", "app-uid"]), 1);
+    assert_eq!(
+        cgroup_program_count(&app.netns_path(), attach_type::SK_LOOKUP),
+        1
+    );
 
     // Bad requests get an answer naming the problem; the daemon carries on.
     let missing = enrol(
@@ -100,6 +104,11 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
     assert!(out.status.success(), "{out:?}");
     z.wait_for_log("pod removed pod=app-uid", Duration::from_secs(5));
     assert!(tcx_ingress_programs(&app.netns_path()).is_empty());
+    assert_eq!(
+        cgroup_program_count(&app.netns_path(), attach_type::SK_LOOKUP),
+        0,
+        "sk_lookup left on a removed pod's namespace"
+    );
     let before = z.counters();
     flows::assert_ok(&flows::client(app, dst, &ClientRun::default()));
     assert_eq!(

@@ -30,6 +30,11 @@ fn assert_single_attachments(cluster: &Cluster, pod_netns: &std::path::Path) {
         tcx_ingress_programs(pod_netns),
         vec!["capture_ingress".to_owned()]
     );
+    assert_eq!(
+        cgroup_program_count(pod_netns, attach_type::SK_LOOKUP),
+        1,
+        "sk_lookup programs on the pod's namespace"
+    );
 }
 
 #[test]
