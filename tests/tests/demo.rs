@@ -1,8 +1,13 @@
-//! The demo (`cargo xtask demo --json`) runs end to end and every flow
-//! behaves as expected; its JSON has the promised shape.
+//! The demo (`cargo xtask demo --json`) runs end to end, every flow shows
+//! what it is expected to show, and its JSON has the promised shape. The
+//! demo compares each flow with its expectation itself; this test checks
+//! again the facts a demo that guessed instead of observing would get wrong:
+//! a denial needs ztunnel's access-log line, an allowed flow needs the
+//! server to have seen the client, and both ztunnels must still run.
 
-use std::{process::Command, time::Duration};
+use std::{net::SocketAddr, process::Command, time::Duration};
 
+use serde_json::json;
 use ztunnel_tests::{process::PodProcess, require_root};
 
 #[test]
@@ -24,6 +29,10 @@ fn the_demo_passes_and_reports_observed_facts() {
     let v: serde_json::Value = serde_json::from_str(json_line).expect("last line is JSON");
     assert_eq!(v["ok"], true);
     assert_eq!(v["capture"], "ebpf");
+    assert_eq!(
+        v["ztunnels_running"],
+        json!({"node-a": true, "node-b": true})
+    );
     let flows = v["flows"].as_array().expect("flows");
     assert_eq!(flows.len(), 8);
     for f in flows {
@@ -36,16 +45,42 @@ fn the_demo_passes_and_reports_observed_facts() {
             "result",
             "path",
             "captured",
+            "capture",
             "src_identity",
             "dst_identity",
+            "client_addr",
             "server_saw_peer",
             "bytes",
             "checksum_ok",
             "plaintext_on_wire",
+            "access_log",
+            "ok",
+            "mismatches",
         ] {
             assert!(f.get(key).is_some(), "flow without {key}: {f}");
         }
+        assert_eq!(f["ok"], true, "{f}");
+        assert_eq!(f["mismatches"], json!([]), "{f}");
         assert_eq!(f["result"], f["expect"], "{f}");
+        let client_ip = f["client_addr"]
+            .as_str()
+            .and_then(|a| a.parse::<SocketAddr>().ok())
+            .map_or_else(|| panic!("no client address: {f}"), |a| a.ip().to_string());
+        let logged_denial = f["access_log"].as_array().is_some_and(|legs| {
+            legs.iter()
+                .any(|l| l.as_str().is_some_and(|l| l.contains("result=denied")))
+        });
+        if f["result"] == "denied" {
+            assert!(logged_denial, "denied without ztunnel's line: {f}");
+            assert_eq!(
+                f["server_saw_peer"], "",
+                "a denied flow reached a server: {f}"
+            );
+        } else {
+            assert!(!logged_denial, "{f}");
+            assert_eq!(f["server_saw_peer"], client_ip.as_str(), "{f}");
+            assert_eq!(f["checksum_ok"], true, "{f}");
+        }
         if f["path"] == "hbone" {
             assert_eq!(f["plaintext_on_wire"], false, "{f}");
             assert!(
@@ -58,11 +93,25 @@ fn the_demo_passes_and_reports_observed_facts() {
     }
     let by_name = |n: &str| flows.iter().find(|f| f["name"] == n).expect("flow");
     assert_eq!(by_name("cross-node")["path"], "hbone");
+    assert_eq!(by_name("cross-node")["capture"], "connect@node-a");
     assert_eq!(by_name("same-node")["path"], "local");
+    assert_eq!(by_name("passthrough")["path"], "passthrough");
     assert_eq!(
         by_name("passthrough")["plaintext_on_wire"],
         true,
         "the sniffer must see plain TCP"
     );
+    assert_eq!(by_name("plaintext-permissive")["path"], "plaintext");
+    assert_eq!(
+        by_name("plaintext-permissive")["capture"],
+        "sk_lookup@node-b"
+    );
+    assert_eq!(by_name("plaintext-strict")["capture"], "sk_lookup@node-b");
     assert_eq!(by_name("policy-denied")["path"], "denied");
+    assert_eq!(by_name("policy-denied")["captured"], true);
+    assert_eq!(
+        by_name("socks5")["captured"],
+        false,
+        "a SOCKS5 client dials ztunnel itself"
+    );
 }

@@ -9,7 +9,9 @@
 //! - `client --connect ADDR --bytes N [--chunk C] [--mode echo|digest]`:
 //!   sends N deterministic bytes in writes of C bytes, half-closes, checks
 //!   what comes back, prints `RESULT ok bytes=N local=<l> peer=<p>`. Exit 1
-//!   on a data mismatch, 2 when the connection fails (`CONNECT-ERROR ...`).
+//!   on a data mismatch, 2 when the connection fails (`CONNECT-ERROR ...`,
+//!   or `READ-ERROR ... local=<l>` once connected, so that a failed
+//!   connection can still be found in ztunnel's access log).
 //! - `beat --connect ADDR`: one long-lived connection to an echo server,
 //!   one small exchange every interval; prints `CONNECTED`, `OK <n>
 //!   t=<unix ms>` per exchange, and `CLOSED <kind> ...` (exit 3) when the
@@ -354,7 +356,7 @@ fn client(
                 ExitCode::from(1)
             }
             Err(e) => {
-                println!("READ-ERROR {:?} {e}", e.kind());
+                println!("READ-ERROR {:?} {e} local={local}", e.kind());
                 ExitCode::from(2)
             }
         };
@@ -395,7 +397,10 @@ fn client(
                         got += n as u64;
                     }
                     Err(e) => {
-                        println!("READ-ERROR {:?} {e} after {got} bytes", e.kind());
+                        println!(
+                            "READ-ERROR {:?} {e} after {got} bytes local={local}",
+                            e.kind()
+                        );
                         return ExitCode::from(2);
                     }
                 }
@@ -407,7 +412,7 @@ fn client(
             let mut line = String::new();
             let mut reader = BufReader::new(stream);
             if let Err(e) = reader.read_line(&mut line) {
-                println!("READ-ERROR {:?} {e}", e.kind());
+                println!("READ-ERROR {:?} {e} local={local}", e.kind());
                 return ExitCode::from(2);
             }
             let sent = sender.join().ok().flatten();
