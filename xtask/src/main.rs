@@ -6,6 +6,8 @@
 //!   privileged integration tests one at a time, summary line).
 //! - `demo [--json] [--keep] [--clean]`: the main job for a new user.
 //! - `bench [--quick] [--json] [--runs N]`: the benchmark.
+//! - `fuzz [--smoke] [--target NAME] [--runs N | --seconds S]`: the fuzz
+//!   targets of `ztunnel-userspace/fuzz/`.
 
 mod bench;
 mod binaries;
@@ -13,6 +15,7 @@ mod chart;
 mod demo;
 mod ebpf;
 mod ebpf_artifact;
+mod fuzz;
 mod packages;
 mod test;
 mod toolchain;
@@ -48,6 +51,9 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Measure direct vs eBPF capture (sockmap on/off) vs iptables capture.
     Bench(bench::BenchArgs),
+    /// Build the fuzz targets (installs cargo-fuzz if needed) and run each:
+    /// 1M executions, or --smoke for a bounded time.
+    Fuzz(fuzz::FuzzArgs),
 }
 
 fn workspace_root() -> Result<PathBuf> {
@@ -66,5 +72,6 @@ fn main() -> Result<()> {
         Cmd::Test(args) => test::run(&root, &args),
         Cmd::Demo(args) => demo::run(&root, &args),
         Cmd::Bench(args) => bench::run(&root, &args),
+        Cmd::Fuzz(args) => fuzz::run(&root, &args),
     }
 }

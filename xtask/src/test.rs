@@ -2,7 +2,8 @@
 //!
 //! Steps, in order: build the eBPF object; `cargo fmt --check`; `cargo
 //! clippy --all-targets -D warnings` on the host crates and, with nightly
-//! for the BPF target, on `ztunnel-ebpf`; unit tests; then the privileged
+//! for the BPF target, on `ztunnel-ebpf`; unit tests; the fuzz targets'
+//! smoke run (one step per target); then the privileged
 //! integration tests in `tests/`, one at a time, and `bench --quick` (`--test-threads=1`: they
 //! share kernel state). Every step's outcome is counted, and the last line
 //! printed is `N passed, N failed, N skipped`. A privileged test that skips
@@ -276,6 +277,15 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         &mut tally,
         "unit tests",
     )?;
+
+    // Fuzz smoke run: every target for a bounded time (one build for all),
+    // each counted as a step; a crash names the target and its input file.
+    // Like the bench smoke run, left out of `--filter` iterations.
+    if args.filter.is_none() {
+        for outcome in crate::fuzz::smoke(workspace) {
+            tally.step(&outcome.line(), outcome.ok);
+        }
+    }
 
     // The iptables backend's tests need the iptables commands; install them
     // from Debian's packages when missing (saying so).

@@ -300,16 +300,7 @@ fn handle(
     use workload_request::Payload;
     match request.payload {
         Some(Payload::Add(add)) => {
-            if add.uid.is_empty() {
-                return Err("add: uid is empty".into());
-            }
-            let fd = fd.ok_or_else(|| {
-                format!(
-                    "add {}: no network namespace fd (SCM_RIGHTS) attached",
-                    add.uid
-                )
-            })?;
-            let info = workload_info(&add)?;
+            let (info, fd) = check_add(&add, fd)?;
             let pod_name = if info.name.is_empty() {
                 &add.uid
             } else {
@@ -357,6 +348,24 @@ fn handle(
     }
 }
 
+/// Checks an `add` as far as it can be without the registry: a uid, the
+/// network namespace fd (`F`: an `OwnedFd` in the daemon; the fuzz target
+/// passes a stand-in) and complete workload information. The error is the
+/// `ack` the enroller gets. Pure, so that the fuzz target checks the real
+/// rules.
+pub fn check_add<F>(add: &AddWorkload, fd: Option<F>) -> Result<(&WorkloadInfo, F), String> {
+    if add.uid.is_empty() {
+        return Err("add: uid is empty".into());
+    }
+    let fd = fd.ok_or_else(|| {
+        format!(
+            "add {}: no network namespace fd (SCM_RIGHTS) attached",
+            add.uid
+        )
+    })?;
+    Ok((workload_info(add)?, fd))
+}
+
 /// The workload information of an `add`, which must name the namespace and
 /// service account: they make the pod's identity, and guessing them (say,
 /// `default/default`) would hand the pod a certificate, and the policies,
@@ -376,13 +385,32 @@ fn workload_info(add: &AddWorkload) -> Result<&WorkloadInfo, String> {
     .filter(|(_, value)| value.trim().is_empty())
     .map(|(field, _)| field)
     .collect();
-    if missing.is_empty() {
-        Ok(info)
-    } else {
-        Err(format!(
+    if !missing.is_empty() {
+        return Err(format!(
             "add {}: {} must not be empty",
             add.uid,
             missing.join(" and ")
+        ));
+    }
+    // Both are path segments of the SPIFFE id: a `/` in one would make an
+    // identity that peers cannot parse back, or that reads as another
+    // (namespace `a/sa/b` + account `c` and namespace `a` + account
+    // `b/sa/c` would share one certificate name). Found by fuzzing.
+    let slashed: Vec<&str> = [
+        ("workload_info.namespace", &info.namespace),
+        ("workload_info.service_account", &info.service_account),
+    ]
+    .into_iter()
+    .filter(|(_, value)| value.contains('/'))
+    .map(|(field, _)| field)
+    .collect();
+    if slashed.is_empty() {
+        Ok(info)
+    } else {
+        Err(format!(
+            "add {}: {} must not contain '/' (it separates the SPIFFE id's segments)",
+            add.uid,
+            slashed.join(" and ")
         ))
     }
 }
@@ -482,6 +510,28 @@ mod tests {
             service_account: "web".into(),
         }));
         assert_eq!(workload_info(&full).expect("complete").namespace, "demo");
+    }
+
+    #[test]
+    fn a_slash_in_namespace_or_service_account_is_refused() {
+        // Regression (fuzz target zds_message): namespace `dem/` was
+        // accepted and made the unparsable identity
+        // spiffe://cluster.local/ns/dem//sa/a1.
+        for (namespace, service_account, field) in [
+            ("dem/", "a1", "workload_info.namespace"),
+            ("demo", "a/sa/b", "workload_info.service_account"),
+        ] {
+            let err = workload_info(&add(Some(WorkloadInfo {
+                name: "web".into(),
+                namespace: namespace.into(),
+                service_account: service_account.into(),
+            })))
+            .expect_err("slash");
+            assert!(
+                err.contains("pod-7") && err.contains(field) && err.contains("'/'"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

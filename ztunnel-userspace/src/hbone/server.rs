@@ -15,7 +15,10 @@
 //! do not trust fails the handshake; that is logged with its address and
 //! the connection is closed. Nothing reaches the application.
 
-use std::{net::SocketAddr, sync::Arc};
+use std::{
+    net::{IpAddr, SocketAddr},
+    sync::Arc,
+};
 
 use bytes::Bytes;
 use h2::server::SendResponse;
@@ -134,6 +137,72 @@ async fn connection(
     Ok(())
 }
 
+/// Why a `CONNECT` stream is refused before anything is opened for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectRefusal {
+    /// Only `CONNECT` opens a tunnel.
+    #[error("method is not CONNECT")]
+    NotConnect,
+    /// The `:authority` must be `ip:port` (HBONE never carries names).
+    #[error("authority is not ip:port")]
+    BadAuthority,
+    /// The target is not the address the connection arrived on: a peer
+    /// must not use one pod's port 15008 to reach another address.
+    #[error("authority IP is not the address this connection arrived on")]
+    NotArrivalAddress(SocketAddr),
+    /// The target is one of ztunnel's own listeners.
+    #[error("target is one of ztunnel's own ports")]
+    OwnPort(SocketAddr),
+}
+
+impl ConnectRefusal {
+    /// The HTTP status the client is answered with.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::NotConnect | Self::BadAuthority | Self::NotArrivalAddress(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::OwnPort(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The requested target, when the authority named one.
+    pub fn target(self) -> Option<SocketAddr> {
+        match self {
+            Self::NotArrivalAddress(target) | Self::OwnPort(target) => Some(target),
+            Self::NotConnect | Self::BadAuthority => None,
+        }
+    }
+}
+
+/// The target of a `CONNECT` request that arrived on a connection to
+/// `local`, or why it is refused. Pure (no I/O) so that the fuzz target
+/// checks the rule the server applies.
+///
+/// Headers, `forwarded` included, are deliberately not read: the source
+/// address comes from the connection and the identity from the client's
+/// certificate, never from what the client claims about itself.
+pub fn connect_target<B>(
+    request: &Request<B>,
+    local: IpAddr,
+) -> Result<SocketAddr, ConnectRefusal> {
+    if request.method() != Method::CONNECT {
+        return Err(ConnectRefusal::NotConnect);
+    }
+    let target = request
+        .uri()
+        .authority()
+        .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
+        .ok_or(ConnectRefusal::BadAuthority)?;
+    if target.ip() != local {
+        return Err(ConnectRefusal::NotArrivalAddress(target));
+    }
+    if is_own_port(target.port()) {
+        return Err(ConnectRefusal::OwnPort(target));
+    }
+    Ok(target)
+}
+
 fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, reason: &str) {
     tracing::info!(status = status.as_u16(), %reason, result = "refused", "inbound HBONE stream refused");
     let response = Response::builder()
@@ -151,31 +220,16 @@ async fn stream(
     server: &HboneServer,
     peer_identity: &Identity,
 ) {
-    if request.method() != Method::CONNECT {
-        return refuse(respond, StatusCode::BAD_REQUEST, "method is not CONNECT");
-    }
-    let Some(target) = request
-        .uri()
-        .authority()
-        .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
-    else {
-        return refuse(respond, StatusCode::BAD_REQUEST, "authority is not ip:port");
+    let target = match connect_target(&request, local.ip()) {
+        Ok(target) => target,
+        Err(refusal) => {
+            if let Some(target) = refusal.target() {
+                tracing::Span::current().record("dst", tracing::field::display(target));
+            }
+            return refuse(respond, refusal.status(), &refusal.to_string());
+        }
     };
     tracing::Span::current().record("dst", tracing::field::display(target));
-    if target.ip() != local.ip() {
-        return refuse(
-            respond,
-            StatusCode::BAD_REQUEST,
-            "authority IP is not the address this connection arrived on",
-        );
-    }
-    if is_own_port(target.port()) {
-        return refuse(
-            respond,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "target is one of ztunnel's own ports",
-        );
-    }
     // Registered before the state is read: a policy published from here on
     // reaches this connection (proxy::connections).
     let registration = server.shared.connections.register(InboundConnection {
@@ -243,5 +297,45 @@ async fn stream(
     match registration.unless_revoked(copy).await {
         Ok((to_client, from_client)) => record.close(from_client, to_client, &Ok(())),
         Err(e) => record.close(0, 0, &Err(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connect(uri: &str) -> Request<()> {
+        Request::builder()
+            .method(Method::CONNECT)
+            .uri(uri)
+            .header("forwarded", "for=\"10.9.9.9\"")
+            .body(())
+            .expect("request")
+    }
+
+    #[test]
+    fn connect_checks_method_authority_arrival_address_and_port() {
+        let local: IpAddr = "10.0.0.1".parse().expect("ip");
+        assert_eq!(
+            connect_target(&connect("10.0.0.1:8080"), local),
+            Ok("10.0.0.1:8080".parse().expect("addr"))
+        );
+        let get = Request::builder()
+            .uri("http://10.0.0.1:8080/")
+            .body(())
+            .expect("request");
+        assert_eq!(connect_target(&get, local), Err(ConnectRefusal::NotConnect));
+        assert_eq!(
+            connect_target(&connect("web:8080"), local),
+            Err(ConnectRefusal::BadAuthority)
+        );
+        let other = "10.0.0.2:8080".parse().expect("addr");
+        assert_eq!(
+            connect_target(&connect("10.0.0.2:8080"), local),
+            Err(ConnectRefusal::NotArrivalAddress(other))
+        );
+        let own = connect_target(&connect("10.0.0.1:15008"), local).expect_err("own port");
+        assert_eq!(own.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(own.to_string(), "target is one of ztunnel's own ports");
     }
 }

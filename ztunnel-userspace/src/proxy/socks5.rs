@@ -61,6 +61,10 @@ pub enum SocksError {
     /// Not SOCKS5, or malformed.
     #[error("not a SOCKS5 client: {0}")]
     Protocol(&'static str),
+    /// The greeting does not offer no-authentication (answered with
+    /// "no acceptable method").
+    #[error("not a SOCKS5 client: client does not offer no-authentication")]
+    NoAcceptableMethod,
     /// Refused with this reply.
     #[error("refused ({0:?})")]
     Refused(Reply),
@@ -129,66 +133,136 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
     }
 }
 
-/// Reads the greeting and the request; answers the method selection.
-async fn handshake(stream: &mut TcpStream) -> Result<Target, SocksError> {
-    let mut head = [0u8; 2];
-    stream.read_exact(&mut head).await?;
-    if head[0] != VERSION {
+/// How far a parser got with the bytes it was given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parsed<T> {
+    /// It cannot decide yet: at least this many bytes in all are needed,
+    /// always more than it was given.
+    Incomplete(usize),
+    /// Decided, having used this many bytes.
+    Done(T, usize),
+}
+
+/// Parses the client's greeting (VER, NMETHODS, METHODS). Done when the
+/// client offers no-authentication, the only method served.
+///
+/// The parsers are pure so that the fuzz targets exercise the very code
+/// the listener runs; [`read_parsed`] feeds them exactly the bytes they ask
+/// for, never more, so nothing the client sends after its request is
+/// consumed here.
+pub fn parse_greeting(bytes: &[u8]) -> Result<Parsed<()>, SocksError> {
+    let [version, count, ..] = *bytes else {
+        return Ok(Parsed::Incomplete(2));
+    };
+    if version != VERSION {
         return Err(SocksError::Protocol("version is not 5"));
     }
-    let mut methods = vec![0u8; usize::from(head[1])];
-    stream.read_exact(&mut methods).await?;
-    if !methods.contains(&NO_AUTH) {
-        stream.write_all(&[VERSION, NO_ACCEPTABLE_METHOD]).await?;
-        return Err(SocksError::Protocol(
-            "client does not offer no-authentication",
-        ));
+    let len = 2 + usize::from(count);
+    let Some(methods) = bytes.get(2..len) else {
+        return Ok(Parsed::Incomplete(len));
+    };
+    if methods.contains(&NO_AUTH) {
+        Ok(Parsed::Done((), len))
+    } else {
+        Err(SocksError::NoAcceptableMethod)
     }
-    stream.write_all(&[VERSION, NO_AUTH]).await?;
+}
 
-    let mut req = [0u8; 4];
-    stream.read_exact(&mut req).await?;
-    if req[0] != VERSION {
+/// Parses the request (VER, CMD, RSV, ATYP, DST.ADDR, DST.PORT). A command
+/// other than `CONNECT` or an unknown address type is
+/// [`SocksError::Refused`] with the reply code to send.
+pub fn parse_request(bytes: &[u8]) -> Result<Parsed<Target>, SocksError> {
+    let [version, command, _reserved, address_type, ..] = *bytes else {
+        return Ok(Parsed::Incomplete(4));
+    };
+    if version != VERSION {
         return Err(SocksError::Protocol("request version is not 5"));
     }
-    if req[1] != CMD_CONNECT {
-        reply(stream, Reply::CommandNotSupported).await?;
+    if command != CMD_CONNECT {
         return Err(SocksError::Refused(Reply::CommandNotSupported));
     }
-    let target = match req[3] {
+    let port_at = |at: usize| u16::from_be_bytes([bytes[at], bytes[at + 1]]);
+    match address_type {
         ATYP_V4 => {
-            let mut b = [0u8; 6];
-            stream.read_exact(&mut b).await?;
-            Target::Addr(SocketAddr::new(
-                Ipv4Addr::new(b[0], b[1], b[2], b[3]).into(),
-                u16::from_be_bytes([b[4], b[5]]),
+            let Some(b) = bytes.get(4..10) else {
+                return Ok(Parsed::Incomplete(10));
+            };
+            let ip = Ipv4Addr::new(b[0], b[1], b[2], b[3]);
+            Ok(Parsed::Done(
+                Target::Addr(SocketAddr::new(ip.into(), port_at(8))),
+                10,
             ))
         }
         ATYP_V6 => {
-            let mut b = [0u8; 18];
-            stream.read_exact(&mut b).await?;
+            let Some(b) = bytes.get(4..22) else {
+                return Ok(Parsed::Incomplete(22));
+            };
             let mut ip = [0u8; 16];
             ip.copy_from_slice(&b[..16]);
-            Target::Addr(SocketAddr::new(
-                Ipv6Addr::from(ip).into(),
-                u16::from_be_bytes([b[16], b[17]]),
+            Ok(Parsed::Done(
+                Target::Addr(SocketAddr::new(Ipv6Addr::from(ip).into(), port_at(20))),
+                22,
             ))
         }
         ATYP_NAME => {
-            let len = usize::from(stream.read_u8().await?);
-            let mut name = vec![0u8; len + 2];
-            stream.read_exact(&mut name).await?;
-            let port = u16::from_be_bytes([name[len], name[len + 1]]);
-            let name = String::from_utf8(name[..len].to_vec())
+            let Some(&len) = bytes.get(4) else {
+                return Ok(Parsed::Incomplete(5));
+            };
+            let end = 5 + usize::from(len);
+            if bytes.len() < end + 2 {
+                return Ok(Parsed::Incomplete(end + 2));
+            }
+            let name = std::str::from_utf8(&bytes[5..end])
                 .map_err(|_| SocksError::Protocol("name is not UTF-8"))?;
-            Target::Name(name, port)
+            Ok(Parsed::Done(
+                Target::Name(name.to_owned(), port_at(end)),
+                end + 2,
+            ))
         }
-        _ => {
-            reply(stream, Reply::AddressNotSupported).await?;
-            return Err(SocksError::Refused(Reply::AddressNotSupported));
+        _ => Err(SocksError::Refused(Reply::AddressNotSupported)),
+    }
+}
+
+/// Reads exactly the bytes `parse` asks for until it decides.
+async fn read_parsed<T>(
+    stream: &mut TcpStream,
+    parse: fn(&[u8]) -> Result<Parsed<T>, SocksError>,
+) -> Result<T, SocksError> {
+    let mut buf = Vec::new();
+    loop {
+        match parse(&buf)? {
+            Parsed::Done(value, _) => return Ok(value),
+            Parsed::Incomplete(needed) => {
+                let have = buf.len();
+                if needed <= have {
+                    // A parser bug must not become a busy loop.
+                    return Err(SocksError::Protocol("parser asked for no more bytes"));
+                }
+                buf.resize(needed, 0);
+                stream.read_exact(&mut buf[have..]).await?;
+            }
         }
-    };
-    Ok(target)
+    }
+}
+
+/// Reads the greeting and the request; answers the method selection, and
+/// refusals the client is owed a reply for.
+async fn handshake(stream: &mut TcpStream) -> Result<Target, SocksError> {
+    match read_parsed(stream, parse_greeting).await {
+        Ok(()) => stream.write_all(&[VERSION, NO_AUTH]).await?,
+        Err(e @ SocksError::NoAcceptableMethod) => {
+            stream.write_all(&[VERSION, NO_ACCEPTABLE_METHOD]).await?;
+            return Err(e);
+        }
+        Err(e) => return Err(e),
+    }
+    match read_parsed(stream, parse_request).await {
+        Err(SocksError::Refused(code)) => {
+            reply(stream, code).await?;
+            Err(SocksError::Refused(code))
+        }
+        result => result,
+    }
 }
 
 async fn reply(stream: &mut TcpStream, code: Reply) -> std::io::Result<()> {
@@ -196,4 +270,79 @@ async fn reply(stream: &mut TcpStream, code: Reply) -> std::io::Result<()> {
     stream
         .write_all(&[VERSION, code as u8, 0, ATYP_V4, 0, 0, 0, 0, 0, 0])
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_greeting_needs_every_method_byte_and_no_auth() {
+        assert_eq!(parse_greeting(&[]).expect("short"), Parsed::Incomplete(2));
+        assert_eq!(
+            parse_greeting(&[5, 2, 2]).expect("short"),
+            Parsed::Incomplete(4)
+        );
+        assert_eq!(
+            parse_greeting(&[5, 2, 2, 0]).expect("ok"),
+            Parsed::Done((), 4)
+        );
+        assert!(matches!(
+            parse_greeting(&[5, 1, 2]),
+            Err(SocksError::NoAcceptableMethod)
+        ));
+        assert!(matches!(
+            parse_greeting(&[4, 1, 0]),
+            Err(SocksError::Protocol(_))
+        ));
+    }
+
+    #[test]
+    fn requests_for_each_address_type() {
+        let v4 = [5, 1, 0, ATYP_V4, 10, 0, 0, 1, 0x1f, 0x90];
+        assert_eq!(
+            parse_request(&v4).expect("v4"),
+            Parsed::Done(Target::Addr("10.0.0.1:8080".parse().expect("addr")), 10)
+        );
+        assert_eq!(
+            parse_request(&v4[..7]).expect("short"),
+            Parsed::Incomplete(10)
+        );
+        let mut v6 = vec![5, 1, 0, ATYP_V6];
+        v6.extend_from_slice(&Ipv6Addr::LOCALHOST.octets());
+        v6.extend_from_slice(&[0, 80]);
+        assert_eq!(
+            parse_request(&v6).expect("v6"),
+            Parsed::Done(Target::Addr("[::1]:80".parse().expect("addr")), 22)
+        );
+        let name = [5, 1, 0, ATYP_NAME, 3, b'w', b'e', b'b', 0, 80];
+        assert_eq!(
+            parse_request(&name[..4]).expect("short"),
+            Parsed::Incomplete(5)
+        );
+        assert_eq!(
+            parse_request(&name[..5]).expect("short"),
+            Parsed::Incomplete(10)
+        );
+        assert_eq!(
+            parse_request(&name).expect("name"),
+            Parsed::Done(Target::Name("web".into(), 80), 10)
+        );
+    }
+
+    #[test]
+    fn refusals_carry_the_reply_code() {
+        assert!(matches!(
+            parse_request(&[5, 2, 0, ATYP_V4]),
+            Err(SocksError::Refused(Reply::CommandNotSupported))
+        ));
+        assert!(matches!(
+            parse_request(&[5, 1, 0, 9]),
+            Err(SocksError::Refused(Reply::AddressNotSupported))
+        ));
+        assert!(matches!(
+            parse_request(&[5, 1, 0, ATYP_NAME, 1, 0xff, 0, 80]),
+            Err(SocksError::Protocol("name is not UTF-8"))
+        ));
+    }
 }

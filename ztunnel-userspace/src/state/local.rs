@@ -196,6 +196,20 @@ fn validate(config: &LocalConfig) -> Vec<String> {
                 problems.push(format!("{}: must not be empty", at(field)));
             }
         }
+        // Path segments of the workload's SPIFFE id: a `/` would make an
+        // identity that peers cannot parse back, or that reads as another
+        // workload's. Found by fuzzing (enrolment socket, same rule there).
+        for (field, value) in [
+            ("namespace", &w.namespace),
+            ("serviceAccount", &w.service_account),
+        ] {
+            if value.contains('/') {
+                problems.push(format!(
+                    "{}: {value:?} must not contain '/' (it separates the SPIFFE id's segments)",
+                    at(field)
+                ));
+            }
+        }
         if !w.uid.is_empty() && !uids.insert(w.uid.clone()) {
             problems.push(format!("{}: duplicate uid {:?}", at("uid"), w.uid));
         }
@@ -302,6 +316,24 @@ workloads:
         assert!(err.contains("workloads[1].uid: duplicate uid"), "{err}");
         assert!(err.contains("workloads[1].ips"), "{err}");
         assert!(err.contains("workloads[0].netns"), "{err}");
+    }
+
+    #[test]
+    fn a_slash_in_namespace_or_service_account_is_invalid() {
+        let bad = GOOD
+            .replace(
+                "namespace: demo\n    serviceAccount: a1",
+                "namespace: demo\n    serviceAccount: a/sa/b",
+            )
+            .replace(
+                "name: app-b1\n    namespace: demo",
+                "name: app-b1\n    namespace: dem/",
+            );
+        let err = parse(&bad, Path::new("x.yaml"))
+            .expect_err("slashes")
+            .to_string();
+        assert!(err.contains("workloads[0].serviceAccount"), "{err}");
+        assert!(err.contains("workloads[1].namespace"), "{err}");
     }
 
     #[test]
