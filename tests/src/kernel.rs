@@ -64,8 +64,12 @@ pub fn cgroup_program_count(cgroup: &Path, attach_type: u32) -> u32 {
     attr.prog_cnt
 }
 
-/// Names of the tcx programs on `eth0` ingress inside the namespace.
+/// Names of the tcx programs on `eth0` ingress inside the namespace; none
+/// on a kernel without tcx (before 6.6), where no tcx link can exist.
 pub fn tcx_ingress_programs(netns_path: &Path) -> Vec<String> {
+    if !ztunnel::probe::has_tcx() {
+        return Vec::new();
+    }
     let ns = PodNetns::open(netns_path).expect("open netns");
     ns.run(|| {
         let (_, programs) =
@@ -76,4 +80,51 @@ pub fn tcx_ingress_programs(netns_path: &Path) -> Vec<String> {
             .collect::<Vec<_>>()
     })
     .expect("enter netns")
+}
+
+/// Names of the eBPF programs on `eth0` ingress inside the namespace,
+/// however they are attached: tcx links (6.6+) and clsact `bpf` filters
+/// (the fallback below 6.6). Tests assert on this so they hold on every
+/// kernel we support.
+pub fn ingress_programs(netns_path: &Path) -> Vec<String> {
+    let mut names = tcx_ingress_programs(netns_path);
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", netns_path.display()))
+        .args(["tc", "filter", "show", "dev", "eth0", "ingress"])
+        .output()
+        .expect("run nsenter tc filter show");
+    names.extend(clsact_bpf_names(&String::from_utf8_lossy(&out.stdout)));
+    names
+}
+
+/// Program names in `tc filter show` output: the word after `handle 0x..`
+/// on `bpf` lines (`... bpf chain 0 handle 0x1 capture_ingress direct-action ...`).
+fn clsact_bpf_names(tc_output: &str) -> Vec<String> {
+    tc_output
+        .lines()
+        .filter(|l| l.contains(" bpf "))
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            words.by_ref().find(|w| *w == "handle")?;
+            words.next()?;
+            let name = words.next()?;
+            // A classic-BPF filter has no name: its next word is `flowid`
+            // or `bytecode`.
+            (!matches!(name, "flowid" | "bytecode" | "classid")).then(|| name.to_owned())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clsact_bpf_names;
+
+    #[test]
+    fn reads_program_names_from_tc_output() {
+        let out = "filter protocol all pref 1 bpf chain 0 \n\
+                   filter protocol all pref 1 bpf chain 0 handle 0x1 flowid 1:1 bytecode '1,6 0 0 0'\n\
+                   filter protocol all pref 49152 bpf chain 0 \n\
+                   filter protocol all pref 49152 bpf chain 0 handle 0x1 capture_ingress direct-action not_in_hw id 42 tag 0123 jited\n";
+        assert_eq!(clsact_bpf_names(out), vec!["capture_ingress".to_owned()]);
+    }
 }

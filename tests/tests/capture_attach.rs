@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use aya::programs::{SchedClassifier, TcAttachType};
 use ztunnel::{
     bpffs::PinRoot,
     capture::{self, tc::TcMode},
@@ -12,21 +11,49 @@ use ztunnel::{
     netns::PodNetns,
 };
 use ztunnel_common::Counter;
-use ztunnel_tests::{Cluster, netns, probe_bin, process::PodProcess, require_root};
+use ztunnel_tests::{
+    Cluster,
+    kernel::{ingress_programs, tcx_ingress_programs},
+    netns, probe_bin,
+    process::PodProcess,
+    require_root,
+};
 
 const SERVER_PORT: u16 = 8080;
 
-/// Names of the tcx programs on a pod's `eth0` ingress.
-fn tcx_programs(pod: &PodNetns) -> Vec<String> {
-    pod.run(|| {
-        let (_, programs) =
-            SchedClassifier::query_tcx("eth0", TcAttachType::Ingress).expect("query tcx");
-        programs
-            .iter()
-            .map(|p| p.name_as_str().unwrap_or("?").to_owned())
-            .collect::<Vec<_>>()
-    })
-    .expect("enter pod netns")
+/// On a kernel without tcx (before 6.6), `--tc-mode tcx` must be refused
+/// with an error naming the kernel, and leave nothing behind.
+fn tcx_refused_by_name() {
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-a");
+    cluster.add_pod(node, "pod");
+    let pod = cluster.pod("pod");
+    let pins = PinRoot::prepare(&cluster.bpffs().path().join("ztunnel")).expect("pin root");
+    let mut programs = loader::load(&pins).expect("load the eBPF object");
+    let netns = PodNetns::open(&pod.netns_path()).expect("open pod netns");
+    let err = capture::tc::attach(
+        &mut programs.ebpf,
+        &pins,
+        &netns,
+        "pod",
+        "eth0",
+        TcMode::Tcx,
+    )
+    .expect_err("tcx attach must be refused on a kernel without tcx");
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let message = err.to_string();
+    assert!(
+        message.contains("6.6") && message.contains(release.trim()),
+        "{message}"
+    );
+    assert!(ingress_programs(&pod.netns_path()).is_empty());
+    assert!(
+        pins.links()
+            .read_dir()
+            .map_or(true, |mut d| d.next().is_none())
+    );
+    drop(programs);
+    pins.remove_all().expect("remove pins");
 }
 
 fn run_client(cluster: &Cluster, from: &str, to: std::net::Ipv4Addr) -> std::process::ExitStatus {
@@ -77,7 +104,10 @@ fn attach_count_detach(mode: TcMode) {
     let ingress = capture::tc::attach(&mut programs.ebpf, &pins, &netns, "client", "eth0", mode)
         .expect("attach TC");
     if mode == TcMode::Tcx {
-        assert_eq!(tcx_programs(&netns), vec!["capture_ingress".to_owned()]);
+        assert_eq!(
+            tcx_ingress_programs(&client.netns_path()),
+            vec!["capture_ingress".to_owned()]
+        );
     } else {
         let filters = client
             .netns()
@@ -118,7 +148,7 @@ fn attach_count_detach(mode: TcMode) {
         "TC program still runs after detach"
     );
     assert!(
-        tcx_programs(&netns).is_empty(),
+        tcx_ingress_programs(&client.netns_path()).is_empty(),
         "a tcx link is left on eth0"
     );
     let qdiscs = client.netns().exec("tc", &["qdisc", "show", "dev", "eth0"]);
@@ -150,6 +180,10 @@ fn attach_count_detach(mode: TcMode) {
 #[test]
 fn programs_attach_count_and_detach_cleanly_tcx() {
     if !require_root("programs_attach_count_and_detach_cleanly_tcx") {
+        return;
+    }
+    if !ztunnel::probe::has_tcx() {
+        tcx_refused_by_name();
         return;
     }
     attach_count_detach(TcMode::Tcx);
@@ -215,7 +249,7 @@ fn foreign_filter_survives(mode: TcMode) {
         .netns()
         .exec("tc", &["filter", "show", "dev", "eth0", "ingress"]);
     assert!(!ours.contains("capture_ingress"), "our filter left: {ours}");
-    assert!(tcx_programs(&netns).is_empty());
+    assert!(tcx_ingress_programs(&pod.netns_path()).is_empty());
     drop(programs);
     pins.remove_all().expect("remove pins");
 }
@@ -223,6 +257,10 @@ fn foreign_filter_survives(mode: TcMode) {
 #[test]
 fn foreign_tc_filter_survives_tcx_attach_and_detach() {
     if !require_root("foreign_tc_filter_survives_tcx_attach_and_detach") {
+        return;
+    }
+    if !ztunnel::probe::has_tcx() {
+        tcx_refused_by_name();
         return;
     }
     foreign_filter_survives(TcMode::Tcx);

@@ -17,7 +17,7 @@ use ztunnel_common::Counter;
 use ztunnel_tests::{
     Cluster,
     flows::{self, ClientRun},
-    kernel::{attach_type, cgroup_program_count, tcx_ingress_programs},
+    kernel::{attach_type, cgroup_program_count, ingress_programs},
     require_root,
     ztunnel::{Ztunnel, sibling_bin},
 };
@@ -65,9 +65,11 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
     assert!(out.status.success(), "{out:?}");
     let before = z.counters();
     flows::assert_ok(&flows::client(app, dst, &ClientRun::default()));
+    let after = z.counters();
     assert_eq!(
-        z.counters().get(Counter::ConnectRedirected),
-        before.get(Counter::ConnectRedirected) + 1
+        after.get(Counter::ConnectRedirected),
+        before.get(Counter::ConnectRedirected) + 1,
+        "before {before:?}\nafter {after:?}"
     );
 
     // Enrolling again is a no-op: still one program per hook.
@@ -103,7 +105,7 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
     let out = enrol(&z, &["snapshot"]);
     assert!(out.status.success(), "{out:?}");
     z.wait_for_log("pod removed pod=app-uid", Duration::from_secs(5));
-    assert!(tcx_ingress_programs(&app.netns_path()).is_empty());
+    assert!(ingress_programs(&app.netns_path()).is_empty());
     assert_eq!(
         cgroup_program_count(&app.netns_path(), attach_type::SK_LOOKUP),
         0,

@@ -8,7 +8,7 @@ use ztunnel_tests::{
     Cluster,
     cgroup::TestCgroup,
     flows::{self, ClientRun, WorkloadEntry},
-    kernel::{attach_type, cgroup_program_count, tcx_ingress_programs},
+    kernel::{attach_type, cgroup_program_count, ingress_programs},
     process::{PodProcess, command_in},
     require_root,
     ztunnel::{Ztunnel, ZtunnelPaths, pins_below, sibling_bin},
@@ -27,7 +27,7 @@ fn assert_single_attachments(cluster: &Cluster, pod_netns: &std::path::Path) {
         );
     }
     assert_eq!(
-        tcx_ingress_programs(pod_netns),
+        ingress_programs(pod_netns),
         vec!["capture_ingress".to_owned()]
     );
     assert_eq!(
@@ -123,7 +123,7 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
     ] {
         assert_eq!(cgroup_program_count(cluster.cgroup(), ty), 0);
     }
-    assert!(tcx_ingress_programs(&app.netns_path()).is_empty());
+    assert!(ingress_programs(&app.netns_path()).is_empty());
     // Without ztunnel and without attachments the pod talks directly again.
     flows::assert_ok(&flows::client(app, outbound_dst, &run));
 }
@@ -143,23 +143,17 @@ fn removing_every_pod_then_stopping_leaves_no_pins() {
     );
     let mut z = Ztunnel::start(&cluster, node, &["--config", path.to_str().expect("utf-8")]);
     z.wait_for_log("pod enrolled", Duration::from_secs(10));
-    assert_eq!(
-        tcx_ingress_programs(&cluster.pod("app").netns_path()).len(),
-        1
-    );
+    assert_eq!(ingress_programs(&cluster.pod("app").netns_path()).len(), 1);
 
     // A bad edit is rejected and the pod stays.
     std::fs::write(&path, "workloads: [{uid: 1}]\n").expect("write");
     z.wait_for_log("config change rejected", Duration::from_secs(5));
-    assert_eq!(
-        tcx_ingress_programs(&cluster.pod("app").netns_path()).len(),
-        1
-    );
+    assert_eq!(ingress_programs(&cluster.pod("app").netns_path()).len(), 1);
 
     // Removing the pod from the config detaches it.
     std::fs::write(&path, "workloads: []\n").expect("write");
     z.wait_for_log("pods removed from config", Duration::from_secs(5));
-    assert!(tcx_ingress_programs(&cluster.pod("app").netns_path()).is_empty());
+    assert!(ingress_programs(&cluster.pod("app").netns_path()).is_empty());
     z.stop();
     assert!(
         pins_below(&z.bpffs).is_empty(),

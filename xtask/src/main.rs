@@ -8,6 +8,8 @@
 //! - `bench [--quick] [--json] [--runs N]`: the benchmark.
 //! - `fuzz [--smoke] [--target NAME] [--runs N | --seconds S]`: the fuzz
 //!   targets of `ztunnel-userspace/fuzz/`.
+//! - `vm-test [--kernel 6.1|6.12|host|all] [--smoke]`: the privileged suite
+//!   on Debian's kernels in QEMU and on the host's.
 
 mod bench;
 mod binaries;
@@ -17,8 +19,10 @@ mod ebpf;
 mod ebpf_artifact;
 mod fuzz;
 mod packages;
+mod tally;
 mod test;
 mod toolchain;
+mod vm;
 
 use std::path::PathBuf;
 
@@ -54,6 +58,10 @@ enum Cmd {
     /// Build the fuzz targets (installs cargo-fuzz if needed) and run each:
     /// 1M executions, or --smoke for a bounded time.
     Fuzz(fuzz::FuzzArgs),
+    /// Run the privileged suite on other kernels: Debian's 6.1 and 6.12 in
+    /// QEMU (KVM when it works, else software emulation) and/or this
+    /// machine's own kernel; one summary line per kernel.
+    VmTest(vm::VmArgs),
 }
 
 fn workspace_root() -> Result<PathBuf> {
@@ -73,5 +81,6 @@ fn main() -> Result<()> {
         Cmd::Demo(args) => demo::run(&root, &args),
         Cmd::Bench(args) => bench::run(&root, &args),
         Cmd::Fuzz(args) => fuzz::run(&root, &args),
+        Cmd::VmTest(args) => vm::run(&root, &args),
     }
 }

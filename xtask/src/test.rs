@@ -18,6 +18,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
+use crate::tally::{LineCounter, Tally};
+
 /// Options of `cargo xtask test`.
 #[derive(clap::Args)]
 pub struct TestArgs {
@@ -27,51 +29,10 @@ pub struct TestArgs {
     /// Skip fmt and clippy (for quick iterations; CI never uses it).
     #[arg(long)]
     no_lint: bool,
-}
-
-#[derive(Default)]
-struct Tally {
-    passed: u64,
-    failed: u64,
-    skipped: u64,
-    failures: Vec<String>,
-}
-
-impl Tally {
-    fn step(&mut self, name: &str, ok: bool) {
-        if ok {
-            self.passed += 1;
-        } else {
-            self.failed += 1;
-            self.failures.push(name.to_owned());
-        }
-    }
-}
-
-/// One test binary's progress, from libtest's `running N tests` line to its
-/// `test result:` line.
-#[derive(Default)]
-struct Binary {
-    expected: u64,
-    reported: u64,
-    open: bool,
-}
-
-impl Binary {
-    /// A binary that announced `expected` tests but printed no result line
-    /// crashed (or was killed): every test it did not report counts as
-    /// failed.
-    fn close_crashed(&mut self, tally: &mut Tally) {
-        if self.open {
-            let missing = self.expected.saturating_sub(self.reported).max(1);
-            tally.failed += missing;
-            tally.failures.push(format!(
-                "a test binary stopped after {} of its {} tests without a result line (crash?)",
-                self.reported, self.expected
-            ));
-        }
-        *self = Self::default();
-    }
+    /// Skip the VM smoke runs on Debian's 6.1 and 6.12 kernels (they are
+    /// also skipped with --filter).
+    #[arg(long)]
+    no_vm: bool,
 }
 
 /// Runs `cargo <args>` streaming its output, and adds up libtest's
@@ -97,45 +58,13 @@ fn cargo_test(
         .with_context(|| format!("could not run cargo {}", args.join(" ")))?;
     let stdout = child.stdout.take().context("piped stdout")?;
     let failed_before = tally.failed;
-    let mut binary = Binary::default();
+    let mut counter = LineCounter::default();
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         println!("{line}");
-        if let Some(n) = parse_running(&line) {
-            binary.close_crashed(tally);
-            binary = Binary {
-                expected: n,
-                reported: 0,
-                open: true,
-            };
-        }
-        if line.starts_with("test ")
-            && (line.ends_with(" ... ok") || line.ends_with(" ... ignored"))
-        {
-            binary.reported += 1;
-        }
-        if let Some(name) = line
-            .strip_prefix("test ")
-            .and_then(|l| l.strip_suffix(" ... FAILED"))
-        {
-            binary.reported += 1;
-            tally.failures.push(name.to_owned());
-        }
-        if let Some((passed, failed, ignored)) = parse_result(&line) {
-            tally.passed += passed;
-            tally.failed += failed;
-            if binary.open && passed + failed + ignored != binary.expected {
-                tally.failed += 1;
-                tally.failures.push(format!(
-                    "a test binary announced {} tests but reported {}",
-                    binary.expected,
-                    passed + failed + ignored
-                ));
-            }
-            binary = Binary::default();
-        }
+        counter.feed(&line, tally);
     }
-    binary.close_crashed(tally);
+    counter.finish(tally);
     let ok = child.wait()?.success();
     if !ok && tally.failed == failed_before {
         // Failed without a failing test: did not compile, or crashed
@@ -143,35 +72,6 @@ fn cargo_test(
         tally.step(label, false);
     }
     Ok(ok)
-}
-
-/// `running 5 tests` -> 5.
-fn parse_running(line: &str) -> Option<u64> {
-    let rest = line.trim().strip_prefix("running ")?;
-    let n = rest
-        .strip_suffix(" tests")
-        .or_else(|| rest.strip_suffix(" test"))?;
-    n.parse().ok()
-}
-
-/// `test result: ok. 4 passed; 1 failed; 2 ignored; ...` -> (4, 1, 2).
-fn parse_result(line: &str) -> Option<(u64, u64, u64)> {
-    let rest = line.trim().strip_prefix("test result: ")?;
-    let number_before = |word: &str| {
-        rest.split(';').find_map(|part| {
-            part.trim()
-                .strip_suffix(word)?
-                .split_whitespace()
-                .last()?
-                .parse()
-                .ok()
-        })
-    };
-    Some((
-        number_before(" passed")?,
-        number_before(" failed")?,
-        number_before(" ignored").unwrap_or(0),
-    ))
 }
 
 fn check(workspace: &Path, name: &str, args: &[&str], tally: &mut Tally) -> Result<()> {
@@ -331,6 +231,16 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         &mut tally,
         "integration tests",
     )?;
+    // The same binaries on the oldest and the newest kernel line we claim,
+    // in QEMU: `ztunnel probe` and the capture smoke tests (the full matrix
+    // is `cargo xtask vm-test --kernel all`).
+    if args.filter.is_none() && !args.no_vm {
+        for line in crate::vm::Line::ALL {
+            let vm = crate::vm::smoke(workspace, line);
+            tally.absorb(vm, &format!("vm {}", line.label()));
+        }
+    }
+
     // The benchmark's smoke run: every scenario measured once, briefly.
     if args.filter.is_none() {
         check(
@@ -341,23 +251,8 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
         )?;
     }
 
-    let skipped: Vec<String> = std::fs::read_to_string(&skip_log)
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    // A skipped test returned early and libtest counted it as passed.
-    tally.passed = tally.passed.saturating_sub(skipped.len() as u64);
-    if ci {
-        tally.failed += skipped.len() as u64;
-        tally.failures.extend(
-            skipped
-                .iter()
-                .map(|s| format!("{s} (skipped under CI=true)")),
-        );
-    } else {
-        tally.skipped += skipped.len() as u64;
-    }
+    let skip_lines = std::fs::read_to_string(&skip_log).unwrap_or_default();
+    tally.account_skips(&skip_lines, ci);
     finish(&tally)
 }
 
@@ -371,7 +266,8 @@ pub fn ensure_iptables() {
     }
 }
 
-fn finish(tally: &Tally) -> Result<()> {
+/// Prints the failures and the summary line; an error when any failed.
+pub fn finish(tally: &Tally) -> Result<()> {
     for failure in &tally.failures {
         eprintln!("xtask: FAILED: {failure}");
     }
@@ -383,35 +279,4 @@ fn finish(tally: &Tally) -> Result<()> {
         bail!("{} failed", tally.failed);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{Binary, Tally, parse_result, parse_running};
-
-    #[test]
-    fn parses_libtest_summary() {
-        let line = "test result: ok. 4 passed; 1 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1.6s";
-        assert_eq!(parse_result(line), Some((4, 1, 2)));
-        assert_eq!(parse_result("running 4 tests"), None);
-        assert_eq!(parse_running("running 4 tests"), Some(4));
-        assert_eq!(parse_running("running 1 test"), Some(1));
-        assert_eq!(parse_running("test result: ok."), None);
-    }
-
-    #[test]
-    fn a_binary_without_a_result_line_counts_its_missing_tests_as_failed() {
-        let mut tally = Tally::default();
-        let mut binary = Binary {
-            expected: 5,
-            reported: 2,
-            open: true,
-        };
-        binary.close_crashed(&mut tally);
-        assert_eq!(tally.failed, 3);
-        assert_eq!(tally.failures.len(), 1);
-        // A closed binary adds nothing.
-        binary.close_crashed(&mut tally);
-        assert_eq!(tally.failed, 3);
-    }
 }

@@ -172,6 +172,9 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     let pins = PinRoot::prepare(&settings.bpffs)?;
     let mut programs = loader::load(&pins).map_err(Box::new)?;
     if settings.capture == capture::Backend::Ebpf {
+        // Before anything is attached: a mode the kernel lacks is a start-up
+        // error, not a failure of every pod's enrolment later.
+        settings.tc_mode.check().map_err(Box::new)?;
         let attached =
             capture::cgroup::attach(&mut programs.ebpf, &pins, &cgroup_dir, settings.sockmap)
                 .map_err(Box::new)?;

@@ -48,6 +48,14 @@ pub mod program {
 /// Errors of loading.
 #[derive(Debug, thiserror::Error)]
 pub enum LoaderError {
+    /// The binary was built (as `cargo check`/`cargo build` on a fresh
+    /// clone do) before `cargo xtask build-ebpf` made the kernel object.
+    #[error(
+        "this ztunnel binary carries no eBPF object: it was built before `cargo xtask \
+         build-ebpf` ran (e.g. a plain `cargo build` on a fresh clone). Rebuild with \
+         `cargo xtask build-ebpf` followed by `cargo build`, or use `--capture iptables`"
+    )]
+    NoObject,
     /// The kernel is not fit to run us.
     #[error(transparent)]
     Probe(#[from] ProbeError),
@@ -141,6 +149,9 @@ pub fn raise_nofile() {
 
 /// Probes the kernel and loads every program, with maps pinned under `pins`.
 pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
+    if EBPF_OBJECT.is_empty() {
+        return Err(LoaderError::NoObject);
+    }
     probe::check_kernel()?;
     check_pinned_maps(pins)?;
     raise_memlock();

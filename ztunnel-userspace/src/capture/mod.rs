@@ -42,6 +42,15 @@ pub enum CaptureError {
         /// What aya or the kernel said.
         source: aya::programs::ProgramError,
     },
+    /// `--tc-mode tcx` on a kernel without tcx (before 6.6).
+    #[error(
+        "--tc-mode tcx needs Linux 6.6 or newer (tcx links); this kernel is {kernel}. \
+         Use --tc-mode auto (the default) or netlink, which attach a clsact filter instead"
+    )]
+    TcxUnavailable {
+        /// The running kernel's release.
+        kernel: String,
+    },
     /// A link could not be pinned, opened or updated.
     #[error("link {path}: {message}")]
     Link {

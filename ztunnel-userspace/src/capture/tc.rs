@@ -56,6 +56,16 @@ pub enum TcMode {
 }
 
 impl TcMode {
+    /// Refuses `Tcx` on a kernel that has no tcx, naming the kernel.
+    pub fn check(self) -> Result<(), CaptureError> {
+        if self == Self::Tcx && !probe::has_tcx() {
+            let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map_or_else(|_| "unknown".to_owned(), |r| r.trim().to_owned());
+            return Err(CaptureError::TcxUnavailable { kernel });
+        }
+        Ok(())
+    }
+
     /// Resolves `Auto` against the running kernel.
     #[must_use]
     pub fn resolve(self) -> Self {
@@ -101,6 +111,7 @@ pub fn attach(
     iface: &str,
     mode: TcMode,
 ) -> Result<PodIngress, CaptureError> {
+    mode.check()?;
     let prog: &mut SchedClassifier = program_mut(ebpf, program::INGRESS)?;
     let target = format!("{iface} in {}", netns.name());
     match mode.resolve() {

@@ -154,6 +154,13 @@ pub struct PodRegistry {
     orig_dst: Arc<Mutex<OrigDstTable>>,
     legs: Option<Arc<InboundLegTable>>,
     pods: Mutex<BTreeMap<String, EnrolledPod>>,
+    /// Held for the whole of every operation that changes which pods are
+    /// enrolled (enrol, remove, reconcile, the stale-state sweep). An
+    /// enrolment writes the kernel maps long before the pod appears in
+    /// `pods`; without this, the sweep at start-up saw the new map entry
+    /// as stale and deleted it, leaving an enrolled pod uncaptured (seen on
+    /// slow kernels in QEMU).
+    changes: Mutex<()>,
     runtime: tokio::runtime::Handle,
     shared: Shared,
     backend: crate::capture::Backend,
@@ -190,6 +197,7 @@ impl PodRegistry {
             orig_dst: Arc::new(Mutex::new(orig_dst)),
             legs,
             pods: Mutex::new(BTreeMap::new()),
+            changes: Mutex::new(()),
             runtime,
             shared,
             backend,
@@ -209,6 +217,7 @@ impl PodRegistry {
     /// Enrols a pod. Enrolling the same uid with the same namespace again
     /// is a no-op; with another namespace it replaces the old enrolment.
     pub fn enrol(&self, req: EnrolRequest) -> Result<bool, EnrolError> {
+        let _change = self.changes.lock().map_err(|_| EnrolError::Poisoned)?;
         let uid = req.uid.clone();
         let cookie = req.netns.cookie().map_err(|e| EnrolError::Netns {
             uid: uid.clone(),
@@ -222,7 +231,7 @@ impl PodRegistry {
                 return Ok(false);
             }
         }
-        self.remove(&uid)?;
+        self.remove_locked(&uid)?;
 
         let capture_err = EnrolError::capture(&uid);
         // Issue the pod's certificate now: readiness promises it exists.
@@ -443,6 +452,12 @@ impl PodRegistry {
     /// Removes a pod: closes its listeners, deletes its map entry, detaches
     /// its TC program. Returns whether it was enrolled.
     pub fn remove(&self, uid: &str) -> Result<bool, EnrolError> {
+        let _change = self.changes.lock().map_err(|_| EnrolError::Poisoned)?;
+        self.remove_locked(uid)
+    }
+
+    /// [`Self::remove`] for a caller that holds `changes`.
+    fn remove_locked(&self, uid: &str) -> Result<bool, EnrolError> {
         let Some(pod) = self
             .pods
             .lock()
@@ -490,6 +505,7 @@ impl PodRegistry {
         source: Source,
         keep: &HashSet<String>,
     ) -> Result<Vec<String>, EnrolError> {
+        let _change = self.changes.lock().map_err(|_| EnrolError::Poisoned)?;
         let stale: Vec<String> = self
             .pods
             .lock()
@@ -499,7 +515,7 @@ impl PodRegistry {
             .map(|(uid, _)| uid.clone())
             .collect();
         for uid in &stale {
-            self.remove(uid)?;
+            self.remove_locked(uid)?;
         }
         Ok(stale)
     }
@@ -507,6 +523,7 @@ impl PodRegistry {
     /// Removes kernel state left by an earlier ztunnel for pods that are not
     /// enrolled now: `POD_CAPTURE` entries and `tc_*`/`lookup_*` link pins.
     pub fn remove_stale_kernel_state(&self) -> Result<usize, EnrolError> {
+        let _change = self.changes.lock().map_err(|_| EnrolError::Poisoned)?;
         let pods = self.pods.lock().map_err(|_| EnrolError::Poisoned)?;
         let cookies: HashSet<u64> = pods.values().map(|p| p.cookie).collect();
         let pins: HashSet<String> = pods
@@ -580,6 +597,7 @@ impl PodRegistry {
 
     /// Removes every pod (listeners, map entries, TC attachments).
     pub fn remove_all(&self) -> Result<(), EnrolError> {
+        let _change = self.changes.lock().map_err(|_| EnrolError::Poisoned)?;
         let uids: Vec<String> = self
             .pods
             .lock()
@@ -588,7 +606,7 @@ impl PodRegistry {
             .cloned()
             .collect();
         for uid in uids {
-            self.remove(&uid)?;
+            self.remove_locked(&uid)?;
         }
         Ok(())
     }
