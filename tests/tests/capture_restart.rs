@@ -42,6 +42,21 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
     if !require_root("killed_ztunnel_fails_closed_and_a_restart_takes_over") {
         return;
     }
+    kill_and_restart("auto");
+}
+
+/// The clsact path (kernels before 6.6 take it under `auto`): the filter a
+/// killed ztunnel left must be taken over, not collide with the new one
+/// (it did: "Filter already exists", the pod was never enrolled again).
+#[test]
+fn killed_ztunnel_fails_closed_and_a_restart_takes_over_netlink() {
+    if !require_root("killed_ztunnel_fails_closed_and_a_restart_takes_over_netlink") {
+        return;
+    }
+    kill_and_restart("netlink");
+}
+
+fn kill_and_restart(tc_mode: &str) {
     let mut cluster = Cluster::new();
     let node = cluster.add_node("node-a");
     cluster.add_pod(node, "app");
@@ -55,6 +70,7 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
         ],
     );
     let config = config.to_str().expect("utf-8").to_owned();
+    let args = ["--config", config.as_str(), "--tc-mode", tc_mode];
     let (app, other) = (cluster.pod("app"), cluster.pod("other"));
     let outbound_dst = SocketAddr::from((other.ip, 8080));
     let inbound_dst = SocketAddr::from((app.ip, 8080));
@@ -62,7 +78,7 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
     let mut app_server = flows::server(app, inbound_dst, "echo");
     let run = ClientRun::default();
 
-    let mut z1 = Ztunnel::start(&cluster, node, &["--config", &config]);
+    let mut z1 = Ztunnel::start(&cluster, node, &args);
     z1.wait_for_log("pod enrolled", Duration::from_secs(10));
     flows::assert_ok(&flows::client(app, outbound_dst, &run));
     flows::assert_ok(&flows::client(other, inbound_dst, &run));
@@ -94,7 +110,7 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
     );
 
     // Restart: same pins, same single attachments, traffic flows again.
-    let mut z2 = Ztunnel::start(&cluster, node, &["--config", &config]);
+    let mut z2 = Ztunnel::start(&cluster, node, &args);
     z2.wait_for_log("took_over=true", Duration::from_secs(5));
     z2.wait_for_log("pod enrolled", Duration::from_secs(10));
     flows::assert_ok(&flows::client(app, outbound_dst, &run));
@@ -108,7 +124,7 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
     z2.stop();
     assert_eq!(z2.pins(), pins_before);
     // ... and `--cleanup` removes everything.
-    let mut z3 = Ztunnel::start(&cluster, node, &["--config", &config, "--cleanup"]);
+    let mut z3 = Ztunnel::start(&cluster, node, &[&args[..], &["--cleanup"]].concat());
     z3.wait_for_log("pod enrolled", Duration::from_secs(10));
     z3.stop();
     assert!(
@@ -124,6 +140,8 @@ fn killed_ztunnel_fails_closed_and_a_restart_takes_over() {
         assert_eq!(cgroup_program_count(cluster.cgroup(), ty), 0);
     }
     assert!(ingress_programs(&app.netns_path()).is_empty());
+    let qdiscs = app.netns().exec("tc", &["qdisc", "show", "dev", "eth0"]);
+    assert!(!qdiscs.contains("clsact"), "clsact qdisc left: {qdiscs}");
     // Without ztunnel and without attachments the pod talks directly again.
     flows::assert_ok(&flows::client(app, outbound_dst, &run));
 }

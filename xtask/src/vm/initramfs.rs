@@ -49,8 +49,12 @@ pub const DONE_MARKER: &str = "ZT_VM_DONE rc=";
 
 /// Builds `<vm_dir>/initramfs-<release>.cpio` for `kernel`.
 pub fn build(vm_dir: &Path, kernel: &Kernel) -> Result<PathBuf> {
+    // Built under names of this process and renamed into place, so two
+    // runs at once (a full matrix beside `xtask test`) never see a torn file.
     let out = vm_dir.join(format!("initramfs-{}.cpio", kernel.release));
-    let staging = vm_dir.join(format!("initramfs-{}.d", kernel.release));
+    let pid = std::process::id();
+    let partial = vm_dir.join(format!("initramfs-{}.cpio.{pid}", kernel.release));
+    let staging = vm_dir.join(format!("initramfs-{}.{pid}.d", kernel.release));
     let _ = std::fs::remove_dir_all(&staging);
     for dir in ["bin", "mod", "proc", "sys", "dev", "newroot"] {
         std::fs::create_dir_all(staging.join(dir))?;
@@ -103,7 +107,8 @@ pub fn build(vm_dir: &Path, kernel: &Kernel) -> Result<PathBuf> {
     write_executable(&staging.join("bin/zt-modprobe"), &helper)?;
     write_executable(&staging.join("init"), &init_script(TEST_MODULES))?;
 
-    let file = std::fs::File::create(&out).with_context(|| format!("create {}", out.display()))?;
+    let file =
+        std::fs::File::create(&partial).with_context(|| format!("create {}", partial.display()))?;
     let status = Command::new("sh")
         .current_dir(&staging)
         .args(["-c", "find . | cpio -o -H newc --quiet"])
@@ -114,6 +119,7 @@ pub fn build(vm_dir: &Path, kernel: &Kernel) -> Result<PathBuf> {
         bail!("cpio failed building {}", out.display());
     }
     let _ = std::fs::remove_dir_all(&staging);
+    std::fs::rename(&partial, &out).with_context(|| format!("rename to {}", out.display()))?;
     Ok(out)
 }
 

@@ -4,7 +4,7 @@
 //! QEMU with an init of ours (see [`initramfs`]) that shares the host's
 //! root read-only, so the guest runs the very test binaries the host just
 //! built. The guest writes the binaries' output to a results folder under
-//! `target/vm/results/<kernel>/`; the host counts it with the same rules
+//! `target/vm/results/<kernel>-<smoke|full>/`; the host counts it with the same rules
 //! as `cargo xtask test` and prints one summary line per kernel.
 //!
 //! `host` runs the same job on this machine's kernel without a VM.
@@ -125,7 +125,7 @@ pub fn run(workspace: &Path, args: &VmArgs) -> Result<()> {
 pub fn smoke(workspace: &Path, line: Line) -> Tally {
     match prepare(workspace, true, None) {
         Ok(steps) => {
-            let (tally, summary) = run_vm(workspace, line, &steps, SMOKE_DEADLINE);
+            let (tally, summary) = run_vm(workspace, line, &steps, SMOKE_DEADLINE, "smoke");
             eprintln!("xtask: {summary}");
             tally
         }
@@ -368,9 +368,15 @@ fn read_results(results: &Path, steps: &[Step]) -> Tally {
 /// Runs the job on one kernel in QEMU. Everything that goes wrong, from
 /// fetching the kernel to a guest that never powers off, is a failure in
 /// the returned tally.
-fn run_vm(workspace: &Path, line: Line, steps: &[Step], deadline: Duration) -> (Tally, String) {
+fn run_vm(
+    workspace: &Path,
+    line: Line,
+    steps: &[Step],
+    deadline: Duration,
+    job: &str,
+) -> (Tally, String) {
     let label = format!("vm {}", line.label());
-    match try_run_vm(workspace, line, steps, deadline) {
+    match try_run_vm(workspace, line, steps, deadline, job) {
         Ok(done) => done,
         Err(e) => {
             let mut tally = Tally::default();
@@ -386,12 +392,17 @@ fn try_run_vm(
     line: Line,
     steps: &[Step],
     deadline: Duration,
+    job: &str,
 ) -> Result<(Tally, String)> {
     let vm_dir = crate::ebpf_artifact::target_dir(workspace).join("vm");
     let kernel = kernels::fetch(&vm_dir, line)?;
     let initrd = initramfs::build(&vm_dir, &kernel)?;
-    let accel = qemu::choose_accel(&kernel, &initrd, &vm_dir.join("results").join("kvm-trial"));
-    let results = results_dir(workspace, line.label())?;
+    let trial = vm_dir
+        .join("results")
+        .join(format!("kvm-trial.{}", std::process::id()));
+    let accel = qemu::choose_accel(&kernel, &initrd, &trial);
+    let _ = std::fs::remove_dir_all(&trial);
+    let results = results_dir(workspace, &format!("{}-{job}", line.label()))?;
     std::fs::write(results.join("job.sh"), job_script(workspace, steps))?;
     eprintln!(
         "xtask: vm: booting {} ({}) for {} step(s), at most {} s",

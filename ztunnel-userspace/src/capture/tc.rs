@@ -179,8 +179,27 @@ fn attach_netlink(
         target: target.to_owned(),
         source,
     };
+    // A filter at our priority and handle is our own, left on purpose by a
+    // ztunnel that stopped without detaching (fail closed). Take it over:
+    // adding ours next to it fails with EEXIST, which left a restarted
+    // ztunnel unable to enrol the pod on kernels without tcx. The program
+    // only counts (steering is sk_lookup's), so the moment without it
+    // opens no path around the mesh.
+    let took_over = SchedClassifierLink::attached(
+        iface,
+        TcAttachType::Ingress,
+        NETLINK_PRIORITY,
+        NETLINK_HANDLE,
+        None,
+    )
+    .is_ok_and(|old| old.detach().is_ok());
     // Adding clsact fails with EEXIST when someone already has one: reuse it.
-    let created_qdisc = tc::qdisc_add_clsact(iface).is_ok();
+    // Taken over with no other filter on it, the qdisc is ours as well.
+    let created_qdisc =
+        tc::qdisc_add_clsact(iface).is_ok() || (took_over && !other_filters(iface)?);
+    if took_over {
+        tracing::info!(target = %target, "took over the ingress filter of an earlier ztunnel");
+    }
     let options = NlOptions {
         priority: NETLINK_PRIORITY,
         handle: NETLINK_HANDLE,
@@ -232,12 +251,7 @@ fn detach_netlink(iface: &str, created_qdisc: bool) -> Result<(), CaptureError> 
         source,
     })?;
     if created_qdisc {
-        let filters = Command::new("tc")
-            .args(["filter", "show", "dev", iface, "ingress"])
-            .output()
-            .map_err(io_err("running `tc filter show`".into()))?;
-        let others_left = !String::from_utf8_lossy(&filters.stdout).trim().is_empty();
-        if !others_left {
+        if !other_filters(iface)? {
             Command::new("tc")
                 .args(["qdisc", "del", "dev", iface, "clsact"])
                 .status()
@@ -245,6 +259,18 @@ fn detach_netlink(iface: &str, created_qdisc: bool) -> Result<(), CaptureError> 
         }
     }
     Ok(())
+}
+
+/// Whether any ingress filter is on `iface` (ours detached by now).
+fn other_filters(iface: &str) -> Result<bool, CaptureError> {
+    let filters = Command::new("tc")
+        .args(["filter", "show", "dev", iface, "ingress"])
+        .output()
+        .map_err(|source| CaptureError::Io {
+            what: "running `tc filter show`".into(),
+            source,
+        })?;
+    Ok(!String::from_utf8_lossy(&filters.stdout).trim().is_empty())
 }
 
 fn link_err(pin: &Path, e: impl std::fmt::Display) -> CaptureError {
