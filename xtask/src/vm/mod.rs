@@ -105,12 +105,12 @@ pub fn run(workspace: &Path, args: &VmArgs) -> Result<()> {
         total.absorb(tally, "host");
     }
     for line in lines {
-        let deadline = if args.smoke {
-            SMOKE_DEADLINE
+        let (deadline, job) = if args.smoke {
+            (SMOKE_DEADLINE, "smoke")
         } else {
-            FULL_DEADLINE
+            (FULL_DEADLINE, "full")
         };
-        let (tally, summary) = run_vm(workspace, line, &steps, deadline);
+        let (tally, summary) = run_vm(workspace, line, &steps, deadline, job);
         summaries.push(summary);
         total.absorb(tally, &format!("vm {}", line.label()));
     }
