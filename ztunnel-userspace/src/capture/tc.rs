@@ -250,13 +250,11 @@ fn detach_netlink(iface: &str, created_qdisc: bool) -> Result<(), CaptureError> 
         target: format!("{iface} (detach)"),
         source,
     })?;
-    if created_qdisc {
-        if !other_filters(iface)? {
-            Command::new("tc")
-                .args(["qdisc", "del", "dev", iface, "clsact"])
-                .status()
-                .map_err(io_err("running `tc qdisc del`".into()))?;
-        }
+    if created_qdisc && !other_filters(iface)? {
+        Command::new("tc")
+            .args(["qdisc", "del", "dev", iface, "clsact"])
+            .status()
+            .map_err(io_err("running `tc qdisc del`".into()))?;
     }
     Ok(())
 }
