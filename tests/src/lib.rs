@@ -73,6 +73,19 @@ pub fn run_quiet(cmd: &mut Command) {
     }
 }
 
+/// Bytes for a bulk transfer: `full` on real hardware, a sixteenth when
+/// the CPU is emulated (`ZTUNNEL_TESTS_EMULATED=1`, set by `cargo xtask
+/// vm-test` when QEMU runs without KVM), where a gigabyte each way through
+/// two TLS proxies outlasts any sane time limit. What is checked (every
+/// byte, both directions, checksummed) is the same.
+pub fn bulk_bytes(full: u64) -> u64 {
+    if std::env::var("ZTUNNEL_TESTS_EMULATED").as_deref() == Ok("1") {
+        full / 16
+    } else {
+        full
+    }
+}
+
 /// Path of the test helper binary (client/server processes run in pods).
 pub fn probe_bin() -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("current exe");

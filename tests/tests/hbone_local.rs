@@ -42,7 +42,7 @@ fn same_node(fastpath: &str) {
         a1,
         dst,
         &ClientRun {
-            bytes: 1 << 30,
+            bytes: ztunnel_tests::bulk_bytes(1 << 30),
             chunk: 256 * 1024,
             io: "poll",
             limit: Duration::from_mins(3),
@@ -177,7 +177,7 @@ fn certificates_rotate_without_dropping_open_connections() {
     let long = std::thread::scope(|scope| {
         let long = scope.spawn(|| {
             let run = ClientRun {
-                bytes: 3 << 30,
+                bytes: ztunnel_tests::bulk_bytes(3 << 30),
                 chunk: 256 * 1024,
                 io: "poll",
                 limit: Duration::from_mins(3),
@@ -185,6 +185,8 @@ fn certificates_rotate_without_dropping_open_connections() {
             };
             flows::client(a1, to_b, &run)
         });
+        // Not a wait for something to happen: the clock itself is the
+        // condition (the 4 s certificate passes its half-life at 2 s).
         std::thread::sleep(Duration::from_secs(3));
         // A new connection the other way needs a1's certificate again (as a
         // server now): it is past half-life and gets replaced.

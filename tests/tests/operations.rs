@@ -353,7 +353,7 @@ fn drain(cluster: &Cluster, zb: &mut Ztunnel, a: &ztunnel_tests::Pod, dst: Socke
     std::thread::scope(|scope| {
         let long = scope.spawn(|| {
             let run = ClientRun {
-                bytes: 3 << 30,
+                bytes: ztunnel_tests::bulk_bytes(3 << 30),
                 chunk: 256 * 1024,
                 io: "poll",
                 limit: Duration::from_mins(3),

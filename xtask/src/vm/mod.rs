@@ -242,14 +242,18 @@ fn test_executables(workspace: &Path) -> Result<Vec<(String, PathBuf)>> {
 
 /// The job script. Output of every step goes to `$R/stdout.log` and
 /// `$R/stderr.log`; after each step a `ZT_STEP` line records its status.
-fn job_script(workspace: &Path, steps: &[Step]) -> String {
+fn job_script(workspace: &Path, steps: &[Step], emulated: bool) -> String {
     let ci = std::env::var("CI").unwrap_or_default();
+    // Tests shrink their bulk transfers on an emulated CPU
+    // (`ztunnel_tests::bulk_bytes`).
+    let emulated = u8::from(emulated);
     let mut s = String::new();
     let _ = write!(
         s,
         "R=${{1:-/tmp/results}}\n\
          export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n\
          export HOME=/root RUST_BACKTRACE=1 CI='{ci}' ZTUNNEL_SKIP_LOG=\"$R/skipped.log\"\n\
+         export ZTUNNEL_TESTS_EMULATED={emulated}\n\
          cd '{}' || exit 90\n\
          echo \"ZT_VM kernel $(uname -r)\"\n",
         workspace.display()
@@ -330,7 +334,7 @@ fn results_dir(workspace: &Path, name: &str) -> Result<PathBuf> {
 
 fn run_host(workspace: &Path, steps: &[Step]) -> Result<(Tally, String)> {
     let results = results_dir(workspace, "host")?;
-    std::fs::write(results.join("job.sh"), job_script(workspace, steps))?;
+    std::fs::write(results.join("job.sh"), job_script(workspace, steps, false))?;
     let start = Instant::now();
     let status = Command::new("sh")
         .arg(results.join("job.sh"))
@@ -403,7 +407,10 @@ fn try_run_vm(
     let accel = qemu::choose_accel(&kernel, &initrd, &trial);
     let _ = std::fs::remove_dir_all(&trial);
     let results = results_dir(workspace, &format!("{}-{job}", line.label()))?;
-    std::fs::write(results.join("job.sh"), job_script(workspace, steps))?;
+    std::fs::write(
+        results.join("job.sh"),
+        job_script(workspace, steps, accel == qemu::Accel::Tcg),
+    )?;
     eprintln!(
         "xtask: vm: booting {} ({}) for {} step(s), at most {} s",
         kernel.release,
