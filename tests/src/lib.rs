@@ -73,12 +73,13 @@ pub fn run_quiet(cmd: &mut Command) {
     }
 }
 
-/// Bytes for a bulk transfer: `full` on real hardware, a sixteenth when
-/// the CPU is emulated (`ZTUNNEL_TESTS_EMULATED=1`, set by `cargo xtask
-/// vm-test` when QEMU runs without KVM), where a gigabyte each way through
-/// two TLS proxies outlasts any sane time limit. What is checked (every
-/// byte, both directions, checksummed) is the same.
-pub fn bulk_bytes(full: u64) -> u64 {
+/// A test's volume (bytes of a bulk transfer, connections of a churn):
+/// `full` on real hardware, a sixteenth when the CPU is emulated
+/// (`ZTUNNEL_TESTS_EMULATED=1`, set by `cargo xtask vm-test` when QEMU runs
+/// without KVM), where a gigabyte each way through two TLS proxies or 100k
+/// connections outlast any sane time limit. What is checked (every byte
+/// checksummed, every connection counted) is the same.
+pub fn scaled(full: u64) -> u64 {
     if std::env::var("ZTUNNEL_TESTS_EMULATED").as_deref() == Ok("1") {
         full / 16
     } else {

@@ -276,6 +276,7 @@ fn getpeername_survives_100k_connections_and_nothing_accumulates() {
     let (client, attacker) = (s.cluster.pod("client"), s.cluster.pod("attacker"));
     let long = sa(attacker.ip, APP_PORT);
     let _server = flows::server_with(attacker, long, "echo", true);
+    let count = ztunnel_tests::scaled(100_000);
     let before = s.z.counters();
     let mut cmd = client.command(&sibling_bin("zt-hostile"));
     cmd.args([
@@ -285,7 +286,7 @@ fn getpeername_survives_100k_connections_and_nothing_accumulates() {
         "--short",
         &sa(attacker.ip, 9).to_string(),
         "--count",
-        "100000",
+        &count.to_string(),
         "--limit-secs",
         "300",
     ]);
@@ -293,13 +294,13 @@ fn getpeername_survives_100k_connections_and_nothing_accumulates() {
     let line = result_line(&done);
     let after = s.z.counters();
     eprintln!("{line}");
-    assert!(line.contains("made=100000"), "{line}");
+    assert!(line.contains(&format!("made={count} ")), "{line}");
     assert!(
         line.contains(&format!("before={long} after={long} echo_ok=true")),
         "getpeername() or the long connection changed after churn: {line}"
     );
     let redirected = after.get(Counter::ConnectRedirected) - before.get(Counter::ConnectRedirected);
-    assert!(redirected >= 100_001, "only {redirected} connects captured");
+    assert!(redirected > count, "only {redirected} connects captured");
     // Nothing left behind: entries are taken at accept or removed at close.
     let pin = orig_dst_map(&s.z);
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -45,7 +45,7 @@ fn transfers(sockmap: &str) {
     // 1 GiB out and the same 1 GiB echoed back, checksummed on both ends.
     // The client is an event-loop application (non-blocking, poll(2)).
     let bulk = ClientRun {
-        bytes: ztunnel_tests::bulk_bytes(GIB),
+        bytes: ztunnel_tests::scaled(GIB),
         chunk: 256 * 1024,
         io: "poll",
         limit: Duration::from_mins(5),

@@ -77,7 +77,7 @@ fn cross_node_traffic_is_carried_over_mutual_tls_hbone() {
         a1,
         dst,
         &ClientRun {
-            bytes: ztunnel_tests::bulk_bytes(1 << 30),
+            bytes: ztunnel_tests::scaled(1 << 30),
             chunk: 256 * 1024,
             io: "poll",
             limit: Duration::from_mins(3),

@@ -42,7 +42,7 @@ fn same_node(fastpath: &str) {
         a1,
         dst,
         &ClientRun {
-            bytes: ztunnel_tests::bulk_bytes(1 << 30),
+            bytes: ztunnel_tests::scaled(1 << 30),
             chunk: 256 * 1024,
             io: "poll",
             limit: Duration::from_mins(3),
@@ -177,7 +177,7 @@ fn certificates_rotate_without_dropping_open_connections() {
     let long = std::thread::scope(|scope| {
         let long = scope.spawn(|| {
             let run = ClientRun {
-                bytes: ztunnel_tests::bulk_bytes(3 << 30),
+                bytes: ztunnel_tests::scaled(3 << 30),
                 chunk: 256 * 1024,
                 io: "poll",
                 limit: Duration::from_mins(3),

@@ -244,8 +244,8 @@ fn test_executables(workspace: &Path) -> Result<Vec<(String, PathBuf)>> {
 /// `$R/stderr.log`; after each step a `ZT_STEP` line records its status.
 fn job_script(workspace: &Path, steps: &[Step], emulated: bool) -> String {
     let ci = std::env::var("CI").unwrap_or_default();
-    // Tests shrink their bulk transfers on an emulated CPU
-    // (`ztunnel_tests::bulk_bytes`).
+    // Tests shrink their volumes (bulk transfers, churn) on an emulated CPU
+    // (`ztunnel_tests::scaled`).
     let emulated = u8::from(emulated);
     let mut s = String::new();
     let _ = write!(
