@@ -87,6 +87,19 @@ pub fn scaled(full: u64) -> u64 {
     }
 }
 
+/// How long to wait for ztunnel to do something: `limit` on real
+/// hardware, six times it on an emulated CPU (`ZTUNNEL_TESTS_EMULATED=1`),
+/// where one `iptables` call can take seconds. Only waits for ztunnel's own
+/// progress stretch; a limit that is the behaviour under test (a timeout,
+/// a deadline) does not go through here.
+pub fn patience(limit: std::time::Duration) -> std::time::Duration {
+    if std::env::var("ZTUNNEL_TESTS_EMULATED").as_deref() == Ok("1") {
+        limit * 6
+    } else {
+        limit
+    }
+}
+
 /// Path of the test helper binary (client/server processes run in pods).
 pub fn probe_bin() -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("current exe");

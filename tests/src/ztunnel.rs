@@ -161,6 +161,7 @@ impl Ztunnel {
 
     /// Waits until the log contains `needle`; panics with the log otherwise.
     pub fn wait_for_log(&self, needle: &str, limit: Duration) {
+        let limit = crate::patience(limit);
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
             if self.log().contains(needle) {
