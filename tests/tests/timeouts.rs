@@ -184,7 +184,8 @@ fn a_slowloris_on_the_hbone_port_is_cut_off_and_counted() {
     assert_eq!(timeouts(&text, "socks5"), SILENT_SOCKS as u64);
     zb.wait_for_log("phase=\"tls_handshake\"", Duration::from_secs(5));
     assert!(
-        zb.log().contains(&format!("peer={}:", cluster.pod("plain").ip)),
+        zb.log()
+            .contains(&format!("peer={}:", cluster.pod("plain").ip)),
         "the timeout warning names the client"
     );
 }
@@ -266,9 +267,9 @@ fn a_black_holed_peer_fails_fast_and_stalls_no_other_destination() {
             &CONNECT_MS.to_string(),
         ],
     );
-    let _zb = Ztunnel::start(&cluster, b, &["--config", config]);
-    let _zc = Ztunnel::start(&cluster, c, &["--config", config]);
-    for (z, pod) in [(&za, "a1"), (&_zb, "b1"), (&_zc, "c1")] {
+    let zb = Ztunnel::start(&cluster, b, &["--config", config]);
+    let zc = Ztunnel::start(&cluster, c, &["--config", config]);
+    for (z, pod) in [(&za, "a1"), (&zb, "b1"), (&zc, "c1")] {
         z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
     }
     let quick = ClientRun {

@@ -88,7 +88,8 @@ struct Slot {
 type SlotRef = Arc<Mutex<Slot>>;
 
 fn lock(slot: &Mutex<Slot>) -> std::sync::MutexGuard<'_, Slot> {
-    slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Rounds of [`HbonePool::pick`] before giving up: each round takes a

@@ -127,8 +127,7 @@ async fn plaintext(
         return Err(ProxyError::Denied("authorization policy"));
     }
     // From the client's own IP (transparent), so the application sees it.
-    let upstream = match connect_within(&ctx.shared, &ctx.sockets, dst, Some(client.ip())).await
-    {
+    let upstream = match connect_within(&ctx.shared, &ctx.sockets, dst, Some(client.ip())).await {
         Ok(upstream) => upstream,
         Err(e) => {
             // A reset tells the client at once that nobody is there.
