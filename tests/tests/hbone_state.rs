@@ -6,11 +6,13 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use ztunnel::{
     hbone::{
         HboneError,
-        pool::{HbonePool, PoolKey, hbone_addr},
+        pool::{HbonePool, PoolKey, PoolSettings, hbone_addr},
     },
     identity::{CertManager, Identity, ca::CertificateAuthority},
     netns::PodNetns,
     proxy::socket_factory::SocketFactory,
+    telemetry::Metrics,
+    timeouts::Timeouts,
 };
 use ztunnel_tests::{
     Cluster,
@@ -114,7 +116,11 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
     let ca = CertificateAuthority::development(&ca_dir, "cluster.local").expect("ca");
     let pool = HbonePool::new(
         Arc::new(CertManager::new(ca, Duration::from_secs(3600))),
-        Duration::from_secs(5),
+        PoolSettings {
+            idle_timeout: Duration::from_secs(5),
+            timeouts: Timeouts::default(),
+        },
+        Metrics::new(),
     );
     let sockets = SocketFactory::start(&PodNetns::open(&a1.netns_path()).expect("netns"), None)
         .expect("factory");

@@ -22,7 +22,7 @@ use crate::{
     capture::{self, CaptureError, maps::Exclusions, tc::TcMode},
     cgroup::{self, CgroupError},
     enrol::{self, EnrolError, EnrolRequest, PodRegistry, Source, zds::ZdsError},
-    hbone::pool::HbonePool,
+    hbone::pool::{HbonePool, PoolSettings},
     identity::{CertManager, Identity, ca::CertificateAuthority},
     loader::{self, LoaderError},
     netns::PodNetns,
@@ -76,6 +76,8 @@ pub struct Settings {
     pub capture: crate::capture::Backend,
     /// How long open connections may run after SIGTERM.
     pub drain_timeout: Duration,
+    /// Limits on each phase where a peer can stall a connection.
+    pub timeouts: crate::timeouts::Timeouts,
 }
 
 /// Where workload certificates come from.
@@ -159,14 +161,23 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     let mut base = initial.clone().unwrap_or_default();
     base.trust_domain.clone_from(&trust_domain);
     let state = StateHandle::new(MeshState::new(base));
+    let metrics = crate::telemetry::Metrics::new();
     let shared = Shared {
         state: state.clone(),
         connections: Arc::default(),
         certs: Arc::clone(&certs),
-        pool: Arc::new(HbonePool::new(certs, settings.pool_idle_timeout)),
+        pool: Arc::new(HbonePool::new(
+            certs,
+            PoolSettings {
+                idle_timeout: settings.pool_idle_timeout,
+                timeouts: settings.timeouts,
+            },
+            Arc::clone(&metrics),
+        )),
         local_pods: settings.local_fastpath.then(Default::default),
-        metrics: crate::telemetry::Metrics::new(),
+        metrics,
         draining: Arc::new(tokio::sync::watch::channel(false).0),
+        timeouts: settings.timeouts,
     };
 
     let pins = PinRoot::prepare(&settings.bpffs)?;

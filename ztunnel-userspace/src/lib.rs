@@ -24,4 +24,5 @@ pub mod probe;
 pub mod proxy;
 pub mod state;
 pub mod telemetry;
+pub mod timeouts;
 pub mod tls;

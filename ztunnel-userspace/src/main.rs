@@ -13,7 +13,7 @@ use ztunnel::{
         self, AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, WorkloadInfo, WorkloadRequest,
         workload_request::Payload,
     },
-    probe,
+    probe, timeouts,
 };
 
 /// Default pin folder on bpffs.
@@ -158,6 +158,37 @@ struct RunArgs {
     /// are closed (a second SIGTERM exits at once).
     #[arg(long, env = "ZTUNNEL_DRAIN_TIMEOUT", default_value_t = 30)]
     drain_timeout: u64,
+    /// Milliseconds an upstream TCP connect may take (to a peer's HBONE
+    /// port, to an application inside a pod, to a passthrough destination)
+    /// before the connection is closed.
+    #[arg(long, env = "ZTUNNEL_CONNECT_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_CONNECT))]
+    connect_timeout_ms: u64,
+    /// Milliseconds a TLS handshake may take, as HBONE client or server
+    /// (port 15008), before the connection is closed.
+    #[arg(long, env = "ZTUNNEL_TLS_HANDSHAKE_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_TLS_HANDSHAKE))]
+    tls_handshake_timeout_ms: u64,
+    /// Milliseconds the HTTP/2 handshake after TLS may take, as HBONE
+    /// client or server, before the connection is closed.
+    #[arg(long, env = "ZTUNNEL_H2_HANDSHAKE_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_H2_HANDSHAKE))]
+    h2_handshake_timeout_ms: u64,
+    /// Milliseconds an HBONE client waits for a stream slot and the answer
+    /// to its CONNECT before the connection is closed.
+    #[arg(long, env = "ZTUNNEL_CONNECT_RESPONSE_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_CONNECT_RESPONSE))]
+    connect_response_timeout_ms: u64,
+    /// Milliseconds a SOCKS5 client (port 15080) may take to send its
+    /// greeting and request before the connection is closed.
+    #[arg(long, env = "ZTUNNEL_SOCKS5_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_SOCKS5))]
+    socks5_timeout_ms: u64,
+}
+
+/// A duration as whole milliseconds (for flag defaults).
+const fn millis(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+/// Timeouts are at least one millisecond: zero would fail every connection.
+fn positive_ms() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..)
 }
 
 #[derive(clap::Args)]
@@ -296,6 +327,13 @@ fn settings(args: RunArgs) -> app::Settings {
         },
         drain_timeout: Duration::from_secs(args.drain_timeout),
         capture: args.capture,
+        timeouts: timeouts::Timeouts {
+            connect: Duration::from_millis(args.connect_timeout_ms),
+            tls_handshake: Duration::from_millis(args.tls_handshake_timeout_ms),
+            h2_handshake: Duration::from_millis(args.h2_handshake_timeout_ms),
+            connect_response: Duration::from_millis(args.connect_response_timeout_ms),
+            socks5: Duration::from_millis(args.socks5_timeout_ms),
+        },
     }
 }
 

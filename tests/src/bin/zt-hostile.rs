@@ -10,6 +10,11 @@
 //!   report `getpeername()` of the long one again plus whether it still
 //!   carries data. A per-connection record that is evicted or leaks shows
 //!   up as a changed peer name or a failed echo.
+//! - `stall`: a slowloris. Opens N connections, sends the first bytes of a
+//!   TLS record on each (a record header announcing more than it sends) and
+//!   then nothing, and watches for the peer to close them; prints `OPENED
+//!   <n>` once they are all open, then `RESULT opened=<n> failed=<f>
+//!   closed=<c> max_close_ms=<ms>` (the longest any one was held).
 
 use std::{
     io::{Read as _, Write as _},
@@ -59,6 +64,21 @@ enum Command {
         #[arg(long, default_value_t = 240)]
         limit_secs: u64,
     },
+    /// N connections that stall after a few bytes of a TLS record.
+    Stall {
+        /// Destination (a TLS port).
+        #[arg(long)]
+        connect: SocketAddr,
+        /// Connections to open.
+        #[arg(long, default_value_t = 200)]
+        count: usize,
+        /// Bytes of the TLS record header to send (at most 5).
+        #[arg(long, default_value_t = 5)]
+        bytes: usize,
+        /// How long to wait for the peer to close them, in seconds.
+        #[arg(long, default_value_t = 10)]
+        wait_secs: u64,
+    },
 }
 
 fn main() {
@@ -75,6 +95,12 @@ fn main() {
             count,
             limit_secs,
         } => churn(long, short, count, Duration::from_secs(limit_secs)),
+        Command::Stall {
+            connect,
+            count,
+            bytes,
+            wait_secs,
+        } => stall(connect, count, bytes, Duration::from_secs(wait_secs)),
     }
 }
 
@@ -171,6 +197,59 @@ fn churn(long: SocketAddr, short: SocketAddr, count: u32, limit: Duration) {
     println!(
         "RESULT made={made} failed={failed} before={before} after={after} echo_ok={echo_ok} secs={}",
         started.elapsed().as_secs()
+    );
+}
+
+/// A TLS handshake record header announcing 512 bytes that never come.
+const STALLED_RECORD: [u8; 5] = [0x16, 0x03, 0x01, 0x02, 0x00];
+
+/// How often the stalled connections are looked at.
+const STALL_POLL: Duration = Duration::from_millis(20);
+
+fn stall(dst: SocketAddr, count: usize, bytes: usize, wait: Duration) {
+    let mut open: Vec<(TcpStream, Instant)> = Vec::with_capacity(count);
+    let mut failed = 0usize;
+    for _ in 0..count {
+        match TcpStream::connect_timeout(&dst, Duration::from_secs(3)) {
+            Ok(mut s) => {
+                let sent = s.write_all(&STALLED_RECORD[..bytes.min(STALLED_RECORD.len())]);
+                if sent.is_ok() && s.set_nonblocking(true).is_ok() {
+                    open.push((s, Instant::now()));
+                } else {
+                    failed += 1;
+                }
+            }
+            Err(_) => failed += 1,
+        }
+    }
+    let opened = open.len();
+    println!("OPENED {opened}");
+    let deadline = Instant::now() + wait;
+    let mut max_close = Duration::ZERO;
+    let mut buf = [0u8; 512];
+    while !open.is_empty() && Instant::now() < deadline {
+        // Closed means EOF or an error other than "nothing yet"; a TLS
+        // alert the peer sends first is read and ignored.
+        open.retain_mut(|(s, since)| {
+            let closed = loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break true,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break false,
+                    Err(_) => break true,
+                }
+            };
+            if closed {
+                max_close = max_close.max(since.elapsed());
+            }
+            !closed
+        });
+        std::thread::sleep(STALL_POLL);
+    }
+    println!(
+        "RESULT opened={opened} failed={failed} closed={} max_close_ms={}",
+        opened - open.len(),
+        max_close.as_millis()
     );
 }
 

@@ -2,7 +2,8 @@
 //!
 //! - [`pool`]: the client side. HTTP/2 connections shared by streams with
 //!   the same (source pod, source identity, destination address,
-//!   destination identity); concurrent openers wait on one handshake.
+//!   destination identity); concurrent openers wait on one handshake, for
+//!   no longer than its time limits, and fail with it.
 //! - [`server`]: the 15008 side. Terminates TLS and `CONNECT`, checks the
 //!   target, connects to the application from inside the pod with the
 //!   client's IP as source.
@@ -87,4 +88,19 @@ pub enum HboneError {
     /// Request building failed.
     #[error("bad CONNECT request: {0}")]
     Request(#[from] http::Error),
+    /// A phase ran out of time.
+    #[error(transparent)]
+    TimedOut(#[from] crate::timeouts::TimedOut),
+    /// Another stream's attempt to open a connection to this peer, which
+    /// this one waited for, failed.
+    #[error("opening an HBONE connection to {peer} failed: {reason}")]
+    OpenFailed {
+        /// The peer.
+        peer: std::net::SocketAddr,
+        /// Why the open failed.
+        reason: String,
+    },
+    /// Every pooled connection filled up again each time this stream looked.
+    #[error("no HBONE connection to {0} had room for another stream")]
+    PoolBusy(std::net::SocketAddr),
 }

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use h2::{RecvStream, SendStream, client::SendRequest};
 use http::{Method, Request, StatusCode};
 use rustls::pki_types::ServerName;
+use tokio::sync::watch;
 use tokio_rustls::TlsConnector;
 use ztunnel_common::INBOUND_HBONE_PORT;
 
@@ -24,6 +25,8 @@ use super::{
 use crate::{
     identity::{CertManager, Identity},
     proxy::socket_factory::SocketFactory,
+    telemetry::Metrics,
+    timeouts::{Phase, Timeouts, within},
 };
 
 /// What makes two streams share a connection. The source pod's IP is part
@@ -42,6 +45,15 @@ pub struct PoolKey {
     pub dst_identity: Identity,
 }
 
+/// What the pool is configured with.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSettings {
+    /// Idle pooled connections are closed after this long.
+    pub idle_timeout: Duration,
+    /// Limits on connect, handshakes and `CONNECT` responses.
+    pub timeouts: Timeouts,
+}
+
 struct PooledConn {
     id: u64,
     send: SendRequest<Bytes>,
@@ -50,13 +62,95 @@ struct PooledConn {
     idle_since: Mutex<Instant>,
 }
 
-type Slot = Arc<tokio::sync::Mutex<Vec<Arc<PooledConn>>>>;
+/// How the open that other streams wait for ended.
+#[derive(Debug, Clone)]
+enum Opening {
+    /// Still connecting or handshaking.
+    Pending,
+    /// The connection is in the slot.
+    Ready,
+    /// It failed; the waiters fail with the same reason instead of each
+    /// trying again (a dead peer costs one connect timeout, not one per
+    /// stream in a queue).
+    Failed(Arc<str>),
+}
+
+/// The connections of one destination. Its lock is never held across an
+/// await: an open runs outside it, announced in `opening`, so a stalled
+/// handshake holds up only the streams that chose to wait for it, and them
+/// no longer than the open's own time limits.
+#[derive(Default)]
+struct Slot {
+    conns: Vec<Arc<PooledConn>>,
+    opening: Option<watch::Receiver<Opening>>,
+}
+
+type SlotRef = Arc<Mutex<Slot>>;
+
+fn lock(slot: &Mutex<Slot>) -> std::sync::MutexGuard<'_, Slot> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Rounds of [`HbonePool::pick`] before giving up: each round takes a
+/// connection, opens one, or waits for an open that ended; only a
+/// connection filled by others in the meantime, or an opener whose client
+/// went away, sends a stream round again.
+const PICK_ROUNDS: usize = 4;
+
+/// Held by the stream that opens a connection for its slot. However the
+/// open ends (success, failure, or the stream's task being dropped), the
+/// slot stops announcing it and the waiters learn the outcome (a dropped
+/// sender tells them to look again).
+struct OpenGuard<'a> {
+    slot: &'a Mutex<Slot>,
+    /// `None` once the outcome is published.
+    tx: Option<watch::Sender<Opening>>,
+}
+
+impl OpenGuard<'_> {
+    fn finish(mut self, conn: Result<&Arc<PooledConn>, &HboneError>) {
+        let outcome = {
+            let mut slot = lock(self.slot);
+            slot.opening = None;
+            match conn {
+                Ok(conn) => {
+                    slot.conns.push(Arc::clone(conn));
+                    Opening::Ready
+                }
+                Err(e) => Opening::Failed(e.to_string().into()),
+            }
+        };
+        if let Some(tx) = self.tx.take() {
+            tx.send_replace(outcome);
+        }
+    }
+}
+
+impl Drop for OpenGuard<'_> {
+    fn drop(&mut self) {
+        // Not finished: the opening stream went away mid-open. While our
+        // sender lives nobody else can have announced an open, so the
+        // announcement cleared here is ours.
+        if self.tx.is_some() {
+            lock(self.slot).opening = None;
+        }
+    }
+}
+
+/// What a stream does after looking at its slot.
+enum Pick {
+    Take(Arc<PooledConn>),
+    Open(watch::Sender<Opening>),
+    Wait(watch::Receiver<Opening>),
+}
 
 /// The pool. Cheap to share (`Arc`).
 pub struct HbonePool {
     certs: Arc<CertManager>,
-    slots: Mutex<HashMap<PoolKey, Slot>>,
-    idle_timeout: Duration,
+    slots: Mutex<HashMap<PoolKey, SlotRef>>,
+    settings: PoolSettings,
+    metrics: Arc<Metrics>,
     next_id: AtomicU64,
     handshakes: AtomicU64,
     reused: AtomicU64,
@@ -94,12 +188,14 @@ impl Drop for StreamGuard {
 }
 
 impl HbonePool {
-    /// An empty pool issuing client certificates from `certs`.
-    pub fn new(certs: Arc<CertManager>, idle_timeout: Duration) -> Self {
+    /// An empty pool issuing client certificates from `certs` and counting
+    /// timeouts in `metrics`.
+    pub fn new(certs: Arc<CertManager>, settings: PoolSettings, metrics: Arc<Metrics>) -> Self {
         Self {
             certs,
             slots: Mutex::new(HashMap::new()),
-            idle_timeout,
+            settings,
+            metrics,
             next_id: AtomicU64::new(1),
             handshakes: AtomicU64::new(0),
             reused: AtomicU64::new(0),
@@ -125,11 +221,11 @@ impl HbonePool {
         slots
             .values()
             .map(|s| {
-                s.try_lock().map_or(0, |v| {
-                    v.iter()
-                        .filter(|c| !c.closed.load(Ordering::Relaxed))
-                        .count()
-                })
+                lock(s)
+                    .conns
+                    .iter()
+                    .filter(|c| !c.closed.load(Ordering::Relaxed))
+                    .count()
             })
             .sum()
     }
@@ -151,10 +247,9 @@ impl HbonePool {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             Arc::clone(slots.entry(key.clone()).or_default())
         };
-        let h2_err = |source| HboneError::H2 {
-            peer: key.dst,
-            source,
-        };
+        let peer = key.dst;
+        let h2_err = |source| HboneError::H2 { peer, source };
+        let limit = self.settings.timeouts.connect_response;
         // A pooled connection may have been closed by the peer (GOAWAY on
         // drain, an idle timeout) since we last looked: then it is dropped
         // from the pool and the stream is tried once more on a fresh one.
@@ -163,7 +258,9 @@ impl HbonePool {
             attempt += 1;
             let conn = self.pick(&slot, &key, sockets).await?;
             let guard = StreamGuard(Arc::clone(&conn));
-            match conn.send.clone().ready().await {
+            // Waits for the peer to allow one more stream.
+            let ready = conn.send.clone().ready();
+            match within(Phase::ConnectResponse, limit, peer, &self.metrics, ready).await? {
                 Ok(send) => break (conn, guard, send),
                 Err(e) => {
                     conn.closed.store(true, Ordering::Release);
@@ -179,10 +276,13 @@ impl HbonePool {
             .header("forwarded", format!("for=\"{client}\""))
             .body(())?;
         let (response, stream) = send.send_request(request, false).map_err(h2_err)?;
-        let response = response.await.map_err(h2_err)?;
+        // Dropping the response future on expiry resets the stream.
+        let response = within(Phase::ConnectResponse, limit, peer, &self.metrics, response)
+            .await?
+            .map_err(h2_err)?;
         if response.status() != StatusCode::OK {
             return Err(HboneError::Status {
-                peer: key.dst,
+                peer,
                 target,
                 status: response.status(),
             });
@@ -195,61 +295,122 @@ impl HbonePool {
         })
     }
 
-    /// A connection of `slot` with room for a stream, opening one if none
-    /// has. Holding the slot while a handshake runs is what makes a burst
-    /// of openers wait for one connection instead of opening one each.
+    /// A connection of `slot` with room for a stream, with that stream
+    /// counted. When none has room, the first stream opens one and the
+    /// streams arriving meanwhile wait for it (a burst shares one
+    /// handshake), for no longer than an open may take; when the open
+    /// fails they fail with it.
     async fn pick(
         &self,
-        slot: &Slot,
+        slot: &Mutex<Slot>,
         key: &PoolKey,
         sockets: &SocketFactory,
     ) -> Result<Arc<PooledConn>, HboneError> {
-        let mut conns = slot.lock().await;
-        conns.retain(|c| !c.closed.load(Ordering::Acquire));
-        let found = conns
-            .iter()
-            .find(|c| c.streams.load(Ordering::Acquire) < CLIENT_MAX_STREAMS)
-            .cloned();
-        let conn = if let Some(conn) = found {
-            self.reused.fetch_add(1, Ordering::Relaxed);
-            conn
-        } else {
-            let conn = self.open(key, sockets).await?;
-            conns.push(Arc::clone(&conn));
-            conn
-        };
-        conn.streams.fetch_add(1, Ordering::AcqRel);
-        Ok(conn)
+        let peer = key.dst;
+        for _ in 0..PICK_ROUNDS {
+            let next = {
+                let mut slot = lock(slot);
+                slot.conns.retain(|c| !c.closed.load(Ordering::Acquire));
+                let found = slot
+                    .conns
+                    .iter()
+                    .find(|c| c.streams.load(Ordering::Acquire) < CLIENT_MAX_STREAMS)
+                    .cloned();
+                if let Some(conn) = found {
+                    conn.streams.fetch_add(1, Ordering::AcqRel);
+                    Pick::Take(conn)
+                } else if let Some(opening) = &slot.opening {
+                    Pick::Wait(opening.clone())
+                } else {
+                    let (tx, rx) = watch::channel(Opening::Pending);
+                    slot.opening = Some(rx);
+                    Pick::Open(tx)
+                }
+            };
+            match next {
+                Pick::Take(conn) => {
+                    self.reused.fetch_add(1, Ordering::Relaxed);
+                    return Ok(conn);
+                }
+                Pick::Open(tx) => {
+                    let guard = OpenGuard { slot, tx: Some(tx) };
+                    let opened = self.open(key, sockets).await;
+                    if let Ok(conn) = &opened {
+                        // Our own stream, before others can fill it.
+                        conn.streams.fetch_add(1, Ordering::AcqRel);
+                    }
+                    guard.finish(opened.as_ref());
+                    return opened;
+                }
+                Pick::Wait(mut opening) => {
+                    let ended = opening.wait_for(|o| !matches!(o, Opening::Pending));
+                    let limit = self.settings.timeouts.hbone_open();
+                    let outcome = within(Phase::PoolWait, limit, peer, &self.metrics, ended)
+                        .await?
+                        .map(|o| (*o).clone());
+                    if let Ok(Opening::Failed(reason)) = outcome {
+                        return Err(HboneError::OpenFailed {
+                            peer,
+                            reason: reason.to_string(),
+                        });
+                    }
+                    // Ready, or the opener went away: look again.
+                }
+            }
+        }
+        Err(HboneError::PoolBusy(peer))
     }
 
+    /// Opens one connection: TCP, TLS, HTTP/2, each under its time limit.
     async fn open(
         &self,
         key: &PoolKey,
         sockets: &SocketFactory,
     ) -> Result<Arc<PooledConn>, HboneError> {
         let peer = key.dst;
-        let tcp = sockets
-            .connect(peer)
-            .await
-            .map_err(|e| HboneError::Proxy(Box::new(e)))?;
+        let timeouts = &self.settings.timeouts;
+        let metrics = &self.metrics;
+        let tcp = within(
+            Phase::Connect,
+            timeouts.connect,
+            peer,
+            metrics,
+            sockets.connect(peer),
+        )
+        .await?
+        .map_err(|e| HboneError::Proxy(Box::new(e)))?;
         let config =
             crate::tls::client_config(&self.certs, &key.src, vec![key.dst_identity.clone()])?;
-        let tls = TlsConnector::from(config)
-            .connect(ServerName::IpAddress(peer.ip().into()), tcp)
-            .await
-            .map_err(|source| HboneError::Tls { peer, source })?;
+        let handshake =
+            TlsConnector::from(config).connect(ServerName::IpAddress(peer.ip().into()), tcp);
+        let tls = within(
+            Phase::TlsHandshake,
+            timeouts.tls_handshake,
+            peer,
+            metrics,
+            handshake,
+        )
+        .await?
+        .map_err(|source| HboneError::Tls { peer, source })?;
         if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
             return Err(HboneError::NoAlpn(peer));
         }
         self.handshakes.fetch_add(1, Ordering::Relaxed);
-        let (send, connection) = h2::client::Builder::new()
+        let handshake = h2::client::Builder::new()
             .initial_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)
             .max_frame_size(MAX_FRAME)
             .enable_push(false)
-            .handshake::<_, Bytes>(tls)
-            .await
-            .map_err(|source| HboneError::H2 { peer, source })?;
+            .handshake::<_, Bytes>(tls);
+        let (send, connection) = within(
+            Phase::H2Handshake,
+            timeouts.h2_handshake,
+            peer,
+            metrics,
+            handshake,
+        )
+        .await?
+        .map_err(|source| HboneError::H2 { peer, source })?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let pooled = Arc::new(PooledConn {
             id,
@@ -263,7 +424,7 @@ impl HbonePool {
             connection,
             Arc::clone(&pooled),
             peer,
-            self.idle_timeout,
+            self.settings.idle_timeout,
         ));
         Ok(pooled)
     }

@@ -6,14 +6,17 @@
 //! - not `CONNECT` -> 400; authority without a port -> 400; authority IP
 //!   different from the address the connection arrived on -> 400;
 //! - target is one of ztunnel's own ports -> 503;
-//! - connecting to the application fails -> 503;
+//! - connecting to the application fails -> 503; takes longer than the
+//!   connect timeout -> 504;
 //! - otherwise 200, then bytes flow both ways until both sides are done,
 //!   or until a new policy no longer allows the stream (it is then reset
 //!   and the application's socket closed; see `proxy::connections`).
 //!
 //! A client that is not TLS, offers no `h2`, or presents a certificate we
 //! do not trust fails the handshake; that is logged with its address and
-//! the connection is closed. Nothing reaches the application.
+//! the connection is closed. Nothing reaches the application. So is one
+//! that does not finish the TLS or HTTP/2 handshake within its time limit
+//! (`crate::timeouts`): a slowloris client cannot hold sockets here.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -34,6 +37,7 @@ use crate::{
         connections::InboundConnection, is_own_port, next_connection_id,
         socket_factory::SocketFactory,
     },
+    timeouts::{Phase, TimedOut, within},
 };
 
 /// What the HBONE server of one pod needs.
@@ -73,10 +77,37 @@ pub async fn serve(listener: TcpListener, server: HboneServer) {
         let acceptor = acceptor.clone();
         let server = server.clone();
         tokio::spawn(async move {
-            if let Err(e) = connection(tcp, peer, acceptor, &server).await {
-                tracing::warn!(pod = %server.pod, %peer, error = %e, "HBONE connection rejected");
+            match connection(tcp, peer, acceptor, &server).await {
+                // Logged (with the phase) and counted where it happened.
+                Ok(()) | Err(ServerError::TimedOut(_)) => {}
+                Err(ServerError::Rejected(e)) => {
+                    tracing::warn!(pod = %server.pod, %peer, error = %e, "HBONE connection rejected");
+                }
             }
         });
+    }
+}
+
+/// Why an HBONE connection ended before or between its streams.
+#[derive(Debug, thiserror::Error)]
+enum ServerError {
+    /// A handshake ran out of time.
+    #[error(transparent)]
+    TimedOut(#[from] TimedOut),
+    /// The client is not an HBONE client we accept, or broke the protocol.
+    #[error("{0}")]
+    Rejected(String),
+}
+
+impl From<String> for ServerError {
+    fn from(reason: String) -> Self {
+        Self::Rejected(reason)
+    }
+}
+
+impl From<&str> for ServerError {
+    fn from(reason: &str) -> Self {
+        Self::Rejected(reason.to_owned())
     }
 }
 
@@ -85,13 +116,21 @@ async fn connection(
     peer: SocketAddr,
     acceptor: TlsAcceptor,
     server: &HboneServer,
-) -> Result<(), String> {
+) -> Result<(), ServerError> {
     let local = tcp.local_addr().map_err(|e| e.to_string())?;
     tcp.set_nodelay(true).map_err(|e| e.to_string())?;
-    let tls = acceptor
-        .accept(tcp)
-        .await
-        .map_err(|e| format!("TLS handshake failed (not an HBONE client?): {e}"))?;
+    let timeouts = server.shared.timeouts;
+    let metrics = &server.shared.metrics;
+    // Dropping the handshake on expiry closes the socket.
+    let tls = within(
+        Phase::TlsHandshake,
+        timeouts.tls_handshake,
+        peer,
+        metrics,
+        acceptor.accept(tcp),
+    )
+    .await?
+    .map_err(|e| format!("TLS handshake failed (not an HBONE client?): {e}"))?;
     let peer_identity = tls
         .get_ref()
         .1
@@ -99,14 +138,21 @@ async fn connection(
         .and_then(|c| c.first())
         .and_then(|c| identity_of(c))
         .ok_or("client presented no SPIFFE identity")?;
-    let mut h2 = h2::server::Builder::new()
+    let handshake = h2::server::Builder::new()
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_concurrent_streams(SERVER_MAX_STREAMS)
-        .handshake::<_, Bytes>(tls)
-        .await
-        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+        .handshake::<_, Bytes>(tls);
+    let mut h2 = within(
+        Phase::H2Handshake,
+        timeouts.h2_handshake,
+        peer,
+        metrics,
+        handshake,
+    )
+    .await?
+    .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
     tracing::debug!(pod = %server.pod, %peer, peer_identity = %peer_identity, "HBONE connection accepted");
     let mut draining = server.shared.draining.subscribe();
     let mut goaway_sent = false;
@@ -262,9 +308,20 @@ async fn stream(
         );
         return refuse(respond, StatusCode::UNAUTHORIZED, &reason);
     }
-    let upstream = match server.sockets.connect_from(target, Some(peer.ip())).await {
-        Ok(upstream) => upstream,
-        Err(e) => return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    let connect = server.sockets.connect_from(target, Some(peer.ip()));
+    let timeouts = server.shared.timeouts;
+    let upstream = match within(
+        Phase::Connect,
+        timeouts.connect,
+        target,
+        &server.shared.metrics,
+        connect,
+    )
+    .await
+    {
+        Ok(Ok(upstream)) => upstream,
+        Ok(Err(e)) => return refuse(respond, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Err(e) => return refuse(respond, StatusCode::GATEWAY_TIMEOUT, &e.to_string()),
     };
     let mut respond = respond;
     let send = match respond.send_response(

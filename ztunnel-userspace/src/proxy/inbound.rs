@@ -14,8 +14,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 
 use super::{
-    PodContext, ProxyError, connections::InboundConnection, is_own_port, next_connection_id, relay,
-    socket_factory::SocketFactory,
+    PodContext, ProxyError, connect_within, connections::InboundConnection, is_own_port,
+    next_connection_id, relay, socket_factory::SocketFactory,
 };
 
 /// What the inbound path of one pod needs.
@@ -127,7 +127,14 @@ async fn plaintext(
         return Err(ProxyError::Denied("authorization policy"));
     }
     // From the client's own IP (transparent), so the application sees it.
-    let upstream = ctx.sockets.connect_from(dst, Some(client.ip())).await?;
+    let upstream = match connect_within(&ctx.shared, &ctx.sockets, dst, Some(client.ip())).await {
+        Ok(upstream) => upstream,
+        Err(e) => {
+            // A reset tells the client at once that nobody is there.
+            let _ = stream.set_zero_linger();
+            return Err(e);
+        }
+    };
     tracing::info!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
     let record = crate::telemetry::ConnectionRecord::open(
         &ctx.shared.metrics,

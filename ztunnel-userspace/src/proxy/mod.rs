@@ -55,6 +55,8 @@ pub struct Shared {
     /// Pods enrolled on this node by IP, for the same-node fast path
     /// (`None` when the fast path is off).
     pub local_pods: Option<Arc<std::sync::RwLock<HashMap<IpAddr, PodContext>>>>,
+    /// Limits on each phase where a peer can stall a connection.
+    pub timeouts: crate::timeouts::Timeouts,
 }
 
 impl Shared {
@@ -134,6 +136,38 @@ pub enum ProxyError {
     /// The pod has no address of the needed family.
     #[error("pod has no {0} address")]
     NoPodAddress(&'static str),
+    /// A phase ran out of time.
+    #[error(transparent)]
+    TimedOut(#[from] crate::timeouts::TimedOut),
+}
+
+impl ProxyError {
+    /// Whether the failure was on the way to the destination (connect,
+    /// handshakes, the peer's answer) rather than a decision to refuse:
+    /// then the application's connection is reset, so that it sees a
+    /// failure at once rather than a clean end of stream.
+    pub fn is_upstream_failure(&self) -> bool {
+        !matches!(self, Self::Denied(_) | Self::OwnPort(_))
+    }
+}
+
+/// Connects from inside a pod (see [`socket_factory::SocketFactory::connect_from`])
+/// within the connect timeout; a timeout is logged and counted.
+pub async fn connect_within(
+    shared: &Shared,
+    sockets: &socket_factory::SocketFactory,
+    dst: SocketAddr,
+    source: Option<IpAddr>,
+) -> Result<TcpStream, ProxyError> {
+    let connect = sockets.connect_from(dst, source);
+    crate::timeouts::within(
+        crate::timeouts::Phase::Connect,
+        shared.timeouts.connect,
+        dst,
+        &shared.metrics,
+        connect,
+    )
+    .await?
 }
 
 /// Whether `port` is one of ztunnel's own listener ports: a connection to

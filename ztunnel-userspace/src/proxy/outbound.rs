@@ -17,7 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 
 use super::{
-    PodContext, ProxyError, Shared,
+    PodContext, ProxyError, Shared, connect_within,
     connections::{InboundConnection, Registration},
     next_connection_id, relay,
 };
@@ -112,7 +112,18 @@ pub async fn handle(
 ) -> Result<(), ProxyError> {
     stream.set_nodelay(true)?;
     let client_port = stream.peer_addr().map_or(0, |a| a.port());
-    let (upstream, record) = open(dst, client_port, ctx).await?;
+    let (upstream, record) = match open(dst, client_port, ctx).await {
+        Ok(opened) => opened,
+        Err(e) => {
+            if e.is_upstream_failure() {
+                // The application's connect already succeeded (to us): a
+                // reset is how it learns the destination could not be
+                // reached, rather than a clean, empty response.
+                let _ = stream.set_zero_linger();
+            }
+            return Err(e);
+        }
+    };
     carry(stream, upstream, record).await
 }
 
@@ -146,7 +157,7 @@ pub async fn open(
     let metrics = &ctx.shared.metrics;
     match route {
         Route::Passthrough { target } => {
-            let upstream = ctx.pod.sockets.connect(target).await?;
+            let upstream = connect_within(&ctx.shared, &ctx.pod.sockets, target, None).await?;
             tracing::info!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
             let src = source(ctx, &state, None, client_port);
             let record = ConnectionRecord::open(
@@ -207,7 +218,8 @@ pub async fn open(
                     );
                     return Err(ProxyError::Denied("authorization policy (same node)"));
                 }
-                let upstream = local.sockets.connect_from(target, Some(src_ip)).await?;
+                let upstream =
+                    connect_within(&ctx.shared, &local.sockets, target, Some(src_ip)).await?;
                 tracing::info!(
                     orig_dst = %dst,
                     target = %target,

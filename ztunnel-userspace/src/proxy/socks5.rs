@@ -3,7 +3,9 @@
 //! IPv6 and domain names. Names are resolved against the mesh state (a
 //! workload or service name, optionally `name.namespace[.svc...]`), never
 //! with DNS. Once the target is known the connection takes the same path as
-//! a captured one (HBONE, same-node, passthrough or deny).
+//! a captured one (HBONE, same-node, passthrough or deny). A client that
+//! has not sent its greeting and request within the SOCKS5 timeout is
+//! disconnected.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -16,6 +18,10 @@ use tracing::Instrument as _;
 use super::{
     ProxyError, next_connection_id,
     outbound::{self, OutboundContext},
+};
+use crate::{
+    hbone::HboneError,
+    timeouts::{Phase, within},
 };
 
 const VERSION: u8 = 5;
@@ -68,6 +74,9 @@ pub enum SocksError {
     /// Refused with this reply.
     #[error("refused ({0:?})")]
     Refused(Reply),
+    /// The client did not finish its greeting and request in time.
+    #[error(transparent)]
+    TimedOut(#[from] crate::timeouts::TimedOut),
     /// I/O.
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -98,7 +107,15 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
 }
 
 async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), SocksError> {
-    let target = handshake(&mut stream).await?;
+    let client = stream.peer_addr()?;
+    let target = within(
+        Phase::Socks5,
+        ctx.shared.timeouts.socks5,
+        client,
+        &ctx.shared.metrics,
+        handshake(&mut stream),
+    )
+    .await??;
     let state = ctx.shared.state.current();
     let dst = match target {
         Target::Addr(addr) => addr,
@@ -113,8 +130,7 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
         }
     };
     tracing::Span::current().record("dst", tracing::field::display(dst));
-    let client_port = stream.peer_addr().map_or(0, |a| a.port());
-    match outbound::open(dst, client_port, ctx).await {
+    match outbound::open(dst, client.port(), ctx).await {
         Ok((upstream, record)) => {
             reply(&mut stream, Reply::Ok).await?;
             outbound::carry(stream, upstream, record)
@@ -125,6 +141,10 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
             let code = match &e {
                 ProxyError::Denied(_) => Reply::NotAllowed,
                 ProxyError::Connect { .. } => Reply::Refused,
+                ProxyError::TimedOut(_)
+                | ProxyError::Hbone(HboneError::TimedOut(_) | HboneError::OpenFailed { .. }) => {
+                    Reply::HostUnreachable
+                }
                 _ => Reply::Failure,
             };
             reply(&mut stream, code).await?;

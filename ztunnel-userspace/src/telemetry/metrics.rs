@@ -57,6 +57,14 @@ pub struct CaptureLabels {
     pub event: String,
 }
 
+/// Labels of timeouts.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TimeoutLabels {
+    /// Which phase ran out of time (`connect`, `tls_handshake`, ...; see
+    /// [`crate::timeouts::Phase`]).
+    pub phase: String,
+}
+
 /// Labels of certificate expiry.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CertLabels {
@@ -83,6 +91,9 @@ pub struct Metrics {
     /// because a new state no longer allows them (refusals at open are in
     /// `denials`).
     pub policy_closes: Family<DenialLabels, Counter>,
+    /// `ztunnel_timeouts_total`: connections closed because a peer stalled
+    /// a phase past its limit.
+    pub timeouts: Family<TimeoutLabels, Counter>,
     /// `ztunnel_capture_events_total` (from the kernel maps, set at scrape).
     pub capture: Family<CaptureLabels, Gauge>,
     /// `ztunnel_hbone_pool_connections` (set at scrape).
@@ -116,6 +127,7 @@ impl Metrics {
             denials: Family::default(),
             reloads: Family::default(),
             policy_closes: Family::default(),
+            timeouts: Family::default(),
             capture: Family::default(),
             pool_connections: Gauge::default(),
             handshakes: Gauge::default(),
@@ -157,6 +169,11 @@ impl Metrics {
             "ztunnel_connections_closed_by_policy",
             "Open connections closed because a policy change no longer allows them, by policy",
             this.policy_closes.clone(),
+        );
+        registry.register(
+            "ztunnel_timeouts",
+            "Connections closed because a peer stalled a phase past its time limit, by phase",
+            this.timeouts.clone(),
         );
         registry.register(
             "ztunnel_capture_events",
@@ -231,6 +248,15 @@ impl Metrics {
             .get_or_create(&ReloadLabels {
                 result: result.into(),
                 reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// Counts a phase that ran out of time.
+    pub fn timed_out(&self, phase: crate::timeouts::Phase) {
+        self.timeouts
+            .get_or_create(&TimeoutLabels {
+                phase: phase.as_str().to_owned(),
             })
             .inc();
     }
