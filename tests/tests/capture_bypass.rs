@@ -294,7 +294,16 @@ fn getpeername_survives_100k_connections_and_nothing_accumulates() {
     let line = result_line(&done);
     let after = s.z.counters();
     eprintln!("{line}");
-    assert!(line.contains(&format!("made={count} ")), "{line}");
+    // Every connect completed: none was reset, refused or failed any other
+    // way (timeout, EPERM, ...).
+    let field = |name: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name}= in {line}"))
+    };
+    assert_eq!(field("made"), count, "{line}");
+    assert_eq!(field("refused") + field("failed"), 0, "{line}");
     assert!(
         line.contains(&format!("before={long} after={long} echo_ok=true")),
         "getpeername() or the long connection changed after churn: {line}"

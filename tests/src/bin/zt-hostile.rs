@@ -172,7 +172,11 @@ fn churn(long: SocketAddr, short: SocketAddr, count: u32, limit: Duration) {
         .peer_addr()
         .map_or_else(|e| format!("error:{e}"), |a| a.to_string());
     let mut made = 0u32;
+    // Reset or refused, counted apart from other failures: what a reset
+    // from ztunnel reaching a reused port looks like to the application.
+    let mut refused = 0u32;
     let mut failed = 0u32;
+    let mut first_error = String::from("none");
     for _ in 0..count {
         if started.elapsed() > limit {
             break;
@@ -184,7 +188,20 @@ fn churn(long: SocketAddr, short: SocketAddr, count: u32, limit: Duration) {
                 let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
                 made += 1;
             }
-            Err(_) => failed += 1,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionRefused
+                ) =>
+            {
+                refused += 1;
+            }
+            Err(e) => {
+                if failed == 0 {
+                    first_error = format!("{:?}", e.kind());
+                }
+                failed += 1;
+            }
         }
     }
     let after = held
@@ -195,7 +212,7 @@ fn churn(long: SocketAddr, short: SocketAddr, count: u32, limit: Duration) {
         held.read_exact(&mut buf).is_ok() && &buf == b"still-here\n"
     };
     println!(
-        "RESULT made={made} failed={failed} before={before} after={after} echo_ok={echo_ok} secs={}",
+        "RESULT made={made} refused={refused} failed={failed} before={before} after={after} echo_ok={echo_ok} secs={} first_error={first_error}",
         started.elapsed().as_secs()
     );
 }
