@@ -47,11 +47,11 @@ pub struct VmArgs {
     /// Kernels to run on (repeatable).
     #[arg(long, value_enum, default_values_t = [Choice::All])]
     kernel: Vec<Choice>,
-    /// Only the smoke job (`ztunnel probe` and one capture scenario), as
-    /// `cargo xtask test` runs it.
+    /// Only the smoke job (`ztunnel probe`, `capture_outbound` and
+    /// `capture_enrol`), as `cargo xtask test` runs it.
     #[arg(long)]
     smoke: bool,
-    /// Only integration tests whose name contains this (full job only).
+    /// Only integration tests whose name contains this.
     #[arg(long)]
     filter: Option<String>,
 }
