@@ -124,6 +124,17 @@ fn clippy_ebpf(workspace: &Path, tally: &mut Tally) -> Result<()> {
     Ok(())
 }
 
+/// Builds the `ztunnel` binary and the test helpers (`zt-probe`, ...) that
+/// the integration tests run, here and in the VMs.
+pub const BUILD_BINARIES: &[&str] = &[
+    "build",
+    "-p",
+    "ztunnel-userspace",
+    "-p",
+    "ztunnel-tests",
+    "--bins",
+];
+
 /// Runs everything and prints the summary line.
 pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
     let mut tally = Tally::default();
@@ -193,19 +204,7 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
 
     // The integration tests run the real `ztunnel` binary and the `zt-probe`
     // helper; build both first so a stale binary is never tested.
-    check(
-        workspace,
-        "build binaries",
-        &[
-            "build",
-            "-p",
-            "ztunnel-userspace",
-            "-p",
-            "ztunnel-tests",
-            "--bins",
-        ],
-        &mut tally,
-    )?;
+    check(workspace, "build binaries", BUILD_BINARIES, &mut tally)?;
 
     // Privileged integration tests, one at a time.
     let skip_log = workspace.join("target").join("xtask-skipped.log");
@@ -235,8 +234,7 @@ pub fn run(workspace: &Path, args: &TestArgs) -> Result<()> {
     // in QEMU: `ztunnel probe` and the capture smoke tests (the full matrix
     // is `cargo xtask vm-test --kernel all`).
     if args.filter.is_none() && !args.no_vm {
-        for line in crate::vm::Line::ALL {
-            let vm = crate::vm::smoke(workspace, line);
+        for (line, vm) in crate::vm::smoke(workspace) {
             tally.absorb(vm, &format!("vm {}", line.label()));
         }
     }

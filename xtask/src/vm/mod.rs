@@ -120,21 +120,29 @@ pub fn run(workspace: &Path, args: &VmArgs) -> Result<()> {
     crate::test::finish(&total)
 }
 
-/// The smoke job on `line`, for `cargo xtask test` (its binaries are built
-/// already). Never fails as a whole: what went wrong is in the tally.
-pub fn smoke(workspace: &Path, line: Line) -> Tally {
-    match prepare(workspace, true, None) {
-        Ok(steps) => {
-            let (tally, summary) = run_vm(workspace, line, &steps, SMOKE_DEADLINE, "smoke");
-            eprintln!("xtask: {summary}");
-            tally
-        }
-        Err(e) => {
-            let mut tally = Tally::default();
-            tally.step(&format!("vm smoke could not be prepared: {e:#}"), false);
-            tally
-        }
-    }
+/// The smoke job on every kernel line, for `cargo xtask test` (prepared
+/// once for both: packages, builds and the list of test binaries). Never
+/// fails as a whole: what went wrong is in each line's tally.
+pub fn smoke(workspace: &Path) -> Vec<(Line, Tally)> {
+    let steps = prepare(workspace, true, None);
+    Line::ALL
+        .into_iter()
+        .map(|line| {
+            let tally = match &steps {
+                Ok(steps) => {
+                    let (tally, summary) = run_vm(workspace, line, steps, SMOKE_DEADLINE, "smoke");
+                    eprintln!("xtask: {summary}");
+                    tally
+                }
+                Err(e) => {
+                    let mut tally = Tally::default();
+                    tally.step(&format!("vm smoke could not be prepared: {e:#}"), false);
+                    tally
+                }
+            };
+            (line, tally)
+        })
+        .collect()
 }
 
 /// Installs what the VMs need, builds the binaries and lists the job.
@@ -155,14 +163,7 @@ fn prepare(workspace: &Path, smoke: bool, filter: Option<&str>) -> Result<Vec<St
     crate::ebpf::build(workspace, true)?;
     let built = Command::new("cargo")
         .current_dir(workspace)
-        .args([
-            "build",
-            "-p",
-            "ztunnel-userspace",
-            "-p",
-            "ztunnel-tests",
-            "--bins",
-        ])
+        .args(crate::test::BUILD_BINARIES)
         .status()
         .context("run cargo build")?
         .success();
