@@ -294,16 +294,19 @@ fn getpeername_survives_100k_connections_and_nothing_accumulates() {
     let line = result_line(&done);
     let after = s.z.counters();
     eprintln!("{line}");
-    // Every connect completed: none was reset, refused or failed any other
-    // way (timeout, EPERM, ...).
+    // Port 9 is closed in the attacker pod, so ztunnel resets each captured
+    // connection as soon as the destination refuses it: a client that has
+    // not yet closed its own side sees that reset, at connect() or after.
+    // That is the correct refusal. Nothing may fail any other way
+    // (timeout, EPERM, ...).
     let field = |name: &str| -> u64 {
         line.split_whitespace()
             .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {name}= in {line}"))
     };
-    assert_eq!(field("made"), count, "{line}");
-    assert_eq!(field("refused") + field("failed"), 0, "{line}");
+    assert_eq!(field("made") + field("refused"), count, "{line}");
+    assert_eq!(field("failed"), 0, "{line}");
     assert!(
         line.contains(&format!("before={long} after={long} echo_ok=true")),
         "getpeername() or the long connection changed after churn: {line}"

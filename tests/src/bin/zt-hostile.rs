@@ -172,8 +172,8 @@ fn churn(long: SocketAddr, short: SocketAddr, count: u32, limit: Duration) {
         .peer_addr()
         .map_or_else(|e| format!("error:{e}"), |a| a.to_string());
     let mut made = 0u32;
-    // Reset or refused, counted apart from other failures: what a reset
-    // from ztunnel reaching a reused port looks like to the application.
+    // Reset or refused, counted apart from other failures: how ztunnel's
+    // refusal of a closed destination reaches the application.
     let mut refused = 0u32;
     let mut failed = 0u32;
     let mut first_error = String::from("none");

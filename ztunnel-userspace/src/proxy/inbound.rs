@@ -127,9 +127,15 @@ async fn plaintext(
         return Err(ProxyError::Denied("authorization policy"));
     }
     // From the client's own IP (transparent), so the application sees it.
-    // A failure closes the client's connection gracefully (see
-    // `outbound::handle` for why not with a reset).
-    let upstream = connect_within(&ctx.shared, &ctx.sockets, dst, Some(client.ip())).await?;
+    let upstream = match connect_within(&ctx.shared, &ctx.sockets, dst, Some(client.ip())).await {
+        Ok(upstream) => upstream,
+        Err(e) => {
+            // A reset tells the client at once that nobody is there, as the
+            // application's own refusal would have.
+            let _ = stream.set_zero_linger();
+            return Err(e);
+        }
+    };
     tracing::info!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
     let record = crate::telemetry::ConnectionRecord::open(
         &ctx.shared.metrics,

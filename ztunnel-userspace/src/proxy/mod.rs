@@ -141,6 +141,17 @@ pub enum ProxyError {
     TimedOut(#[from] crate::timeouts::TimedOut),
 }
 
+impl ProxyError {
+    /// Whether the failure was on the way to the destination (connect
+    /// refused or timed out, a handshake, the peer's answer) rather than a
+    /// decision to refuse: then the application's connection is reset, so
+    /// that it sees a failure at once, as it would without the mesh,
+    /// rather than a clean, empty stream.
+    pub fn is_upstream_failure(&self) -> bool {
+        !matches!(self, Self::Denied(_) | Self::OwnPort(_))
+    }
+}
+
 /// Connects from inside a pod (see [`socket_factory::SocketFactory::connect_from`])
 /// within the connect timeout; a timeout is logged and counted.
 pub async fn connect_within(

@@ -112,13 +112,19 @@ pub async fn handle(
 ) -> Result<(), ProxyError> {
     stream.set_nodelay(true)?;
     let client_port = stream.peer_addr().map_or(0, |a| a.port());
-    // An unreachable destination ends the application's connection with a
-    // clean close, not a reset: resetting it here made the application's
-    // *next* connects fail with ECONNRESET under fast port reuse (5% of a
-    // 100k churn to a closed port, `capture_bypass`), a mechanism not yet
-    // understood; until it is, the close stays graceful (issue 11 tracks
-    // refusing closed ports at once).
-    let (upstream, record) = open(dst, client_port, ctx).await?;
+    let (upstream, record) = match open(dst, client_port, ctx).await {
+        Ok(opened) => opened,
+        Err(e) => {
+            // The application's connect already succeeded (to us): a reset
+            // is how it learns that the destination refused or could not
+            // be reached. An application that connects and reads at once
+            // can see it as ECONNRESET from connect() itself.
+            if e.is_upstream_failure() {
+                let _ = stream.set_zero_linger();
+            }
+            return Err(e);
+        }
+    };
     carry(stream, upstream, record).await
 }
 
