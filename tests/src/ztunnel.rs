@@ -80,6 +80,17 @@ impl Ztunnel {
     /// Starts `ztunnel run` for `node` with the cluster's capture cgroup and
     /// the given extra arguments, and waits until it is ready.
     pub fn start(cluster: &Cluster, node: usize, extra: &[&str]) -> Self {
+        Self::start_with_env(cluster, node, extra, &[])
+    }
+
+    /// [`Self::start`] with extra environment variables (e.g. a `PATH`
+    /// without iproute2, to make a step of every enrolment fail).
+    pub fn start_with_env(
+        cluster: &Cluster,
+        node: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let paths = ZtunnelPaths::for_node(cluster, node);
         let node_ref = cluster.node(node);
         let cgroup = TestCgroup::create(&format!("{}/ztunnel-{}", cluster.prefix(), node_ref.name));
@@ -113,6 +124,7 @@ impl Ztunnel {
         .arg("--ca-dir")
         .arg(cluster.dir().join("dev-ca"))
         .args(extra)
+        .envs(env.iter().copied())
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::from(log));

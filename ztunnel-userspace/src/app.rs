@@ -14,7 +14,7 @@ use std::{
     collections::HashSet,
     path::{Path, PathBuf},
     sync::Arc,
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use crate::{
@@ -403,11 +403,18 @@ fn watch_config(
     std::thread::Builder::new()
         .name("config-watch".into())
         .spawn(move || {
+            let mut last_retry = Instant::now();
             loop {
                 std::thread::sleep(CONFIG_POLL_INTERVAL);
                 let now = stamp(&path);
                 let read = read_config(&path);
                 if now == last && read == last_read {
+                    if registry.failed(Source::Config) > 0
+                        && last_retry.elapsed() >= ENROL_RETRY_INTERVAL
+                    {
+                        last_retry = Instant::now();
+                        retry_failed(&registry, &path, &read, &node, trust_domain.as_deref());
+                    }
                     continue;
                 }
                 std::thread::sleep(CONFIG_SETTLE_DELAY);
@@ -427,6 +434,32 @@ fn watch_config(
             }
         })
         .ok();
+}
+
+/// How often pods of the config whose enrolment failed are tried again.
+const ENROL_RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Enrols again the config's pods whose enrolment failed (the enrolled ones
+/// are untouched: enrolling them again is a no-op).
+fn retry_failed(
+    registry: &PodRegistry,
+    path: &Path,
+    read: &ConfigRead,
+    node: &str,
+    trust_domain: Option<&str>,
+) {
+    let Ok(text) = read else { return };
+    let Ok(mut config) = local::parse(text, path) else {
+        return;
+    };
+    if let Some(td) = trust_domain {
+        td.clone_into(&mut config.trust_domain);
+    }
+    tracing::info!(
+        failed = registry.failed(Source::Config),
+        "retrying pods whose enrolment failed"
+    );
+    apply_config(registry, &config, node);
 }
 
 /// Applies one reload outcome: a valid config replaces the state (closing

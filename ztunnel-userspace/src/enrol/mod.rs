@@ -3,11 +3,13 @@
 //! - [`registry`]: the enrolled pods and everything each owns (map entry,
 //!   TC attachment, listeners, socket factory). Idempotent enrol/remove and
 //!   snapshot reconciliation.
+//! - [`rollback`]: undoing the steps of an enrolment that failed half way.
 //! - [`zds`]: the protobuf messages (Istio's ZDS semantics) and the unix
 //!   socket server a CNI plugin or `ztunnel enrol` talks to, with the pod's
 //!   netns fd passed as `SCM_RIGHTS`.
 
 pub mod registry;
+mod rollback;
 pub mod zds;
 
 pub use registry::{EnrolError, EnrolRequest, PodRegistry, Source};

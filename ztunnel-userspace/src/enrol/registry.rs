@@ -11,6 +11,7 @@ use ztunnel_common::{
     POD_CAPTURE_OUTBOUND,
 };
 
+use super::rollback::Rollback;
 use crate::{
     bpffs::PinRoot,
     capture::{
@@ -125,10 +126,20 @@ struct EnrolledPod {
 }
 
 /// A pod's `sk_lookup` attachment and the listener entries it steers to.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct PodLookup {
     pin: std::path::PathBuf,
     keys: Vec<ListenerKey>,
+}
+
+/// A pod whose last enrolment failed and that nobody has removed since.
+#[derive(Debug, Clone, Copy)]
+struct FailedPod {
+    cookie: u64,
+    source: Source,
+    /// An earlier ztunnel's kernel state for its namespace was left in
+    /// place (the pod fails closed).
+    kept: bool,
 }
 
 /// A row of [`PodRegistry::list`].
@@ -154,6 +165,8 @@ pub struct PodRegistry {
     orig_dst: Arc<Mutex<OrigDstTable>>,
     legs: Option<Arc<InboundLegTable>>,
     pods: Mutex<BTreeMap<String, EnrolledPod>>,
+    /// Pods that are wanted but whose enrolment failed, by uid.
+    failed: Mutex<BTreeMap<String, FailedPod>>,
     /// Held for the whole of every operation that changes which pods are
     /// enrolled (enrol, remove, reconcile, the stale-state sweep). An
     /// enrolment writes the kernel maps long before the pod appears in
@@ -197,6 +210,7 @@ impl PodRegistry {
             orig_dst: Arc::new(Mutex::new(orig_dst)),
             legs,
             pods: Mutex::new(BTreeMap::new()),
+            failed: Mutex::new(BTreeMap::new()),
             changes: Mutex::new(()),
             runtime,
             shared,
@@ -216,6 +230,13 @@ impl PodRegistry {
 
     /// Enrols a pod. Enrolling the same uid with the same namespace again
     /// is a no-op; with another namespace it replaces the old enrolment.
+    ///
+    /// All or nothing: a step that fails undoes the ones before it (see
+    /// [`super::rollback`]). Kernel state an earlier ztunnel left for this
+    /// very namespace is the exception: it keeps the pod failing closed
+    /// while ztunnel is away, so a failed enrolment leaves it in place, and
+    /// the pod is remembered as failed so that the stale-state sweep spares
+    /// it until it is enrolled or removed.
     pub fn enrol(&self, req: EnrolRequest) -> Result<bool, EnrolError> {
         let _change = self.changes.lock().map_err(|_| EnrolError::Poisoned)?;
         let uid = req.uid.clone();
@@ -231,19 +252,84 @@ impl PodRegistry {
                 return Ok(false);
             }
         }
-        self.remove_locked(&uid)?;
+        self.remove_enrolled(&uid)?;
+        // A retry of a failed enrolment keeps what keeps the pod failing
+        // closed; a new namespace for the uid makes the old state stale.
+        let retry_of = self
+            .failed
+            .lock()
+            .map_err(|_| EnrolError::Poisoned)?
+            .get(&uid)
+            .map(|f| f.cookie);
+        if retry_of.is_some_and(|c| c != cookie) {
+            self.forget_failed(&uid)?;
+        }
+        let kept = self.left_by_earlier_ztunnel(cookie, &uid)?;
+        let source = req.source;
+        let mut rollback = Rollback::new(&uid);
+        match self.build(req, cookie, kept, &mut rollback) {
+            Ok(pod) => {
+                drop(rollback);
+                self.failed
+                    .lock()
+                    .map_err(|_| EnrolError::Poisoned)?
+                    .remove(&uid);
+                self.pods
+                    .lock()
+                    .map_err(|_| EnrolError::Poisoned)?
+                    .insert(uid, pod);
+                Ok(true)
+            }
+            Err(e) => {
+                let undone = rollback.run();
+                tracing::error!(pod = %uid, error = %e, ?undone, kept_fail_closed = kept, "enrolment failed and was rolled back");
+                self.failed
+                    .lock()
+                    .map_err(|_| EnrolError::Poisoned)?
+                    .insert(
+                        uid,
+                        FailedPod {
+                            cookie,
+                            source,
+                            kept,
+                        },
+                    );
+                Err(e)
+            }
+        }
+    }
 
+    /// Whether an earlier ztunnel left kernel state for this namespace (its
+    /// `POD_CAPTURE` entry or the pod's `sk_lookup` link pin).
+    fn left_by_earlier_ztunnel(&self, cookie: u64, uid: &str) -> Result<bool, EnrolError> {
+        let programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+        let captured = maps::pod_cookies(&programs.ebpf)
+            .map_err(EnrolError::capture(uid))?
+            .contains(&cookie);
+        Ok(captured || self.pins.link(&lookup::pin_name(uid)).exists())
+    }
+
+    /// The steps of [`Self::enrol`]; each one that changes something
+    /// outside this process records its undo in `rollback`.
+    fn build<'a>(
+        &'a self,
+        req: EnrolRequest,
+        cookie: u64,
+        kept: bool,
+        rollback: &mut Rollback<'a>,
+    ) -> Result<EnrolledPod, EnrolError> {
+        let uid = req.uid.clone();
         let capture_err = EnrolError::capture(&uid);
+        let io = |source: std::io::Error| EnrolError::Io {
+            uid: uid.clone(),
+            source,
+        };
         // Issue the pod's certificate now: readiness promises it exists.
         if let Err(e) = self.shared.certs.certified_key(&req.identity) {
             tracing::error!(pod = %uid, error = %e, "could not issue the pod's certificate");
         }
-        let sockets = SocketFactory::start(&req.netns, self.legs.clone()).map_err(|source| {
-            EnrolError::Io {
-                uid: uid.clone(),
-                source,
-            }
-        })?;
+        // The socket factory's thread and the listeners end when dropped.
+        let sockets = SocketFactory::start(&req.netns, self.legs.clone()).map_err(io)?;
         let listeners = listeners::open(&req.netns).map_err(|e| EnrolError::Listen {
             uid: uid.clone(),
             source: Box::new(e),
@@ -262,12 +348,12 @@ impl PodRegistry {
         })?;
         let iptables = self.backend == crate::capture::Backend::Iptables;
         if iptables {
-            crate::capture::iptables::install(&req.netns, &self.exclusions).map_err(|e| {
-                EnrolError::Io {
-                    uid: uid.clone(),
-                    source: std::io::Error::other(e),
-                }
-            })?;
+            crate::capture::iptables::install(&req.netns, &self.exclusions)
+                .map_err(|e| io(std::io::Error::other(e)))?;
+            let netns = req.netns.try_clone().map_err(io)?;
+            rollback.push("iptables rules", move || {
+                crate::capture::iptables::remove(&netns).map_err(|e| e.to_string())
+            });
         }
         let (ingress, lookup) = if iptables {
             (None, None)
@@ -276,11 +362,21 @@ impl PodRegistry {
             self.attach_kernel(&mut programs.ebpf, &req, cookie, flags, &ips, &listeners)
                 .map_err(capture_err)?
         };
+        if !iptables {
+            let netns = req.netns.try_clone().map_err(io)?;
+            let (ingress, lookup) = (ingress.clone(), lookup.clone());
+            rollback.push("kernel attachments", move || {
+                self.detach_kernel(&netns, cookie, ingress.as_ref(), lookup.as_ref(), kept)
+            });
+        }
 
-        pod_routing::install(&req.netns).map_err(|e| EnrolError::Io {
-            uid: uid.clone(),
-            source: std::io::Error::other(e),
-        })?;
+        pod_routing::install(&req.netns).map_err(|e| io(std::io::Error::other(e)))?;
+        {
+            let netns = req.netns.try_clone().map_err(io)?;
+            rollback.push("reply routing", move || {
+                pod_routing::remove(&netns).map_err(|e| e.to_string())
+            });
+        }
         let context = PodContext {
             uid: uid.clone(),
             identity: req.identity.clone(),
@@ -289,6 +385,7 @@ impl PodRegistry {
             sockets,
             orig_dst_sockopt: iptables,
         };
+        // The last step that can fail: it stops what it started itself.
         let tasks = self.spawn_listeners(&context, listeners)?;
         if let Some(local) = &self.shared.local_pods
             && let Ok(mut local) = local.write()
@@ -307,11 +404,40 @@ impl PodRegistry {
             tasks,
         };
         tracing::info!(pod = %uid, netns = %pod.netns_name, cookie, identity = %req.identity, outbound = req.capture.outbound, inbound = req.capture.inbound, "pod enrolled");
-        self.pods
+        Ok(pod)
+    }
+
+    /// Undoes [`Self::attach_kernel`]. With `kept` (state an earlier
+    /// ztunnel left for this namespace, which keeps the pod failing
+    /// closed) only this process's listener entries are withdrawn.
+    fn detach_kernel(
+        &self,
+        netns: &PodNetns,
+        cookie: u64,
+        ingress: Option<&PodIngress>,
+        lookup: Option<&PodLookup>,
+        kept: bool,
+    ) -> Result<(), String> {
+        let text = |e: CaptureError| e.to_string();
+        let mut programs = self
+            .programs
             .lock()
-            .map_err(|_| EnrolError::Poisoned)?
-            .insert(uid, pod);
-        Ok(true)
+            .map_err(|_| "kernel programs poisoned".to_owned())?;
+        if let Some(lookup) = lookup {
+            lookup::withdraw_listeners(&mut programs.ebpf, &lookup.keys).map_err(text)?;
+        }
+        if kept {
+            return Ok(());
+        }
+        maps::remove_pod(&mut programs.ebpf, cookie).map_err(text)?;
+        if let Some(lookup) = lookup {
+            lookup::detach(&lookup.pin).map_err(text)?;
+        }
+        drop(programs);
+        if let Some(ingress) = ingress {
+            tc::detach(netns, ingress).map_err(text)?;
+        }
+        Ok(())
     }
 
     /// The kernel side of an enrolment, all or nothing: the listeners are
@@ -414,32 +540,40 @@ impl PodRegistry {
             sockets: pod.sockets.clone(),
             shared: self.shared.clone(),
         };
-        for l in listeners.outbound {
-            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+        // Everything that can fail happens before the first task starts, so
+        // a failure leaves no task serving a pod that is not enrolled.
+        let convert = |ls: Vec<std::net::TcpListener>| {
+            ls.into_iter()
+                .map(tokio::net::TcpListener::from_std)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(io)
+        };
+        let outbound = convert(listeners.outbound)?;
+        let plaintext = convert(listeners.inbound_plaintext)?;
+        let socks5 = convert(listeners.socks5)?;
+        let hbone_listeners = convert(listeners.inbound_hbone)?;
+        for l in outbound {
             tasks.push(
                 self.runtime
                     .spawn(outbound::serve(l, out_ctx.clone()))
                     .abort_handle(),
             );
         }
-        for l in listeners.inbound_plaintext {
-            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+        for l in plaintext {
             tasks.push(
                 self.runtime
                     .spawn(inbound::serve_plaintext(l, in_ctx.clone()))
                     .abort_handle(),
             );
         }
-        for l in listeners.socks5 {
-            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+        for l in socks5 {
             tasks.push(
                 self.runtime
                     .spawn(crate::proxy::socks5::serve(l, out_ctx.clone()))
                     .abort_handle(),
             );
         }
-        for l in listeners.inbound_hbone {
-            let l = tokio::net::TcpListener::from_std(l).map_err(io)?;
+        for l in hbone_listeners {
             tasks.push(
                 self.runtime
                     .spawn(crate::hbone::server::serve(l, hbone.clone()))
@@ -458,6 +592,12 @@ impl PodRegistry {
 
     /// [`Self::remove`] for a caller that holds `changes`.
     fn remove_locked(&self, uid: &str) -> Result<bool, EnrolError> {
+        self.forget_failed(uid)?;
+        self.remove_enrolled(uid)
+    }
+
+    /// Removes `uid` if it is enrolled (not its failed-enrolment record).
+    fn remove_enrolled(&self, uid: &str) -> Result<bool, EnrolError> {
         let Some(pod) = self
             .pods
             .lock()
@@ -499,6 +639,39 @@ impl PodRegistry {
         Ok(true)
     }
 
+    /// Drops the failed-enrolment record of `uid`, and the kernel state an
+    /// earlier ztunnel left for it: the pod is no longer wanted, so it no
+    /// longer needs to fail closed.
+    fn forget_failed(&self, uid: &str) -> Result<(), EnrolError> {
+        let Some(failed) = self
+            .failed
+            .lock()
+            .map_err(|_| EnrolError::Poisoned)?
+            .remove(uid)
+        else {
+            return Ok(());
+        };
+        if failed.kept {
+            let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+            maps::remove_pod(&mut programs.ebpf, failed.cookie)
+                .map_err(EnrolError::capture(uid))?;
+            drop(programs);
+            for pin in [lookup::pin_name(uid), tc::pin_name(uid)] {
+                let _ = std::fs::remove_file(self.pins.link(&pin));
+            }
+        }
+        tracing::info!(pod = %uid, "pod whose enrolment had failed is no longer wanted");
+        Ok(())
+    }
+
+    /// How many pods of `source` are wanted but failed to enrol (to be
+    /// retried).
+    pub fn failed(&self, source: Source) -> usize {
+        self.failed
+            .lock()
+            .map_or(0, |f| f.values().filter(|p| p.source == source).count())
+    }
+
     /// Removes every pod of `source` whose uid is not in `keep`.
     pub fn reconcile(
         &self,
@@ -517,20 +690,39 @@ impl PodRegistry {
         for uid in &stale {
             self.remove_locked(uid)?;
         }
+        let unwanted: Vec<String> = self
+            .failed
+            .lock()
+            .map_err(|_| EnrolError::Poisoned)?
+            .iter()
+            .filter(|(uid, pod)| pod.source == source && !keep.contains(*uid))
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        for uid in &unwanted {
+            self.forget_failed(uid)?;
+        }
         Ok(stale)
     }
 
     /// Removes kernel state left by an earlier ztunnel for pods that are not
     /// enrolled now: `POD_CAPTURE` entries and `tc_*`/`lookup_*` link pins.
+    /// Pods that are wanted but failed to enrol keep theirs: it is what
+    /// keeps them failing closed.
     pub fn remove_stale_kernel_state(&self) -> Result<usize, EnrolError> {
         let _change = self.changes.lock().map_err(|_| EnrolError::Poisoned)?;
         let pods = self.pods.lock().map_err(|_| EnrolError::Poisoned)?;
-        let cookies: HashSet<u64> = pods.values().map(|p| p.cookie).collect();
+        let failed = self.failed.lock().map_err(|_| EnrolError::Poisoned)?;
+        let cookies: HashSet<u64> = pods
+            .values()
+            .map(|p| p.cookie)
+            .chain(failed.values().map(|p| p.cookie))
+            .collect();
         let pins: HashSet<String> = pods
             .keys()
+            .chain(failed.keys())
             .flat_map(|uid| [tc::pin_name(uid), lookup::pin_name(uid)])
             .collect();
-        drop(pods);
+        drop((pods, failed));
         let mut removed = 0;
         let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
         let err = EnrolError::capture("(stale)");
