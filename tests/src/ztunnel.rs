@@ -60,18 +60,21 @@ pub struct ZtunnelPaths {
     pub socket: PathBuf,
     /// Log file.
     pub log: PathBuf,
+    /// This instance's number (two ztunnels of one node, e.g. an upgrade,
+    /// get their own cgroups and logs).
+    pub instance: u32,
 }
 
 impl ZtunnelPaths {
     /// The paths for `node` of `cluster`.
     pub fn for_node(cluster: &Cluster, node: usize) -> Self {
         let name = &cluster.node(node).name;
+        let instance = next_instance();
         Self {
             bpffs: cluster.bpffs().path().join(format!("ztunnel-{name}")),
             socket: cluster.dir().join(format!("{name}.sock")),
-            log: cluster
-                .dir()
-                .join(format!("ztunnel-{name}-{}.log", next_instance())),
+            log: cluster.dir().join(format!("ztunnel-{name}-{instance}.log")),
+            instance,
         }
     }
 }
@@ -93,7 +96,12 @@ impl Ztunnel {
     ) -> Self {
         let paths = ZtunnelPaths::for_node(cluster, node);
         let node_ref = cluster.node(node);
-        let cgroup = TestCgroup::create(&format!("{}/ztunnel-{}", cluster.prefix(), node_ref.name));
+        let cgroup = TestCgroup::create(&format!(
+            "{}/ztunnel-{}-{}",
+            cluster.prefix(),
+            node_ref.name,
+            paths.instance
+        ));
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)

@@ -87,15 +87,30 @@ fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Resp
         .unwrap_or_default()
 }
 
+/// A listener on `addr` that a second ztunnel on the node can open too
+/// (`SO_REUSEPORT`): during an upgrade the new one starts while the old one
+/// drains, and a port the old one holds must not stop it. While both run,
+/// each request is answered by one of them.
+fn shared_listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM.cloexec(),
+        Some(Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(128)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
 /// Binds the three listeners (so errors surface at start-up) and serves
 /// them on a dedicated thread with its own runtime.
 pub fn start(addrs: Addresses, state: Arc<AdminState>) -> Result<(), AdminError> {
     let bind = |addr: SocketAddr| {
-        let l = std::net::TcpListener::bind(addr)
-            .map_err(|source| AdminError::Bind { addr, source })?;
-        l.set_nonblocking(true)
-            .map_err(|source| AdminError::Bind { addr, source })?;
-        Ok::<_, AdminError>(l)
+        shared_listener(addr).map_err(|source| AdminError::Bind { addr, source })
     };
     let listeners = [
         (bind(addrs.admin)?, Kind::Admin),

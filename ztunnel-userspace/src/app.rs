@@ -245,10 +245,14 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
             settings.trust_domain.clone(),
         );
     }
-    if let Some(socket) = &settings.enrol_socket {
-        enrol::zds::serve(socket, Arc::clone(&registry))?;
-        tracing::info!(socket = %socket.display(), "enrolment socket listening");
-    }
+    let socket_file = match &settings.enrol_socket {
+        Some(socket) => {
+            let file = enrol::zds::serve(socket, Arc::clone(&registry))?;
+            tracing::info!(socket = %socket.display(), "enrolment socket listening");
+            Some(file)
+        }
+        None => None,
+    };
     {
         let registry = Arc::clone(&registry);
         let grace = settings.reconcile_grace;
@@ -313,8 +317,23 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         }
     });
     tracing::info!("shutting down");
-    if let Some(socket) = &settings.enrol_socket {
-        let _ = std::fs::remove_file(socket);
+    // The old half of an upgrade: a newer ztunnel took over the programs
+    // (and opened its listeners beside ours). Everything pinned, every map
+    // entry, pod routing and the socket file are its now.
+    let superseded = registry
+        .with_programs(|p| capture::cgroup::superseded(&p.ebpf, &pins))
+        .ok()
+        .flatten()
+        == Some(true);
+    if superseded {
+        tracing::info!(
+            "another ztunnel has taken over: leaving every attachment, pin and the enrolment socket to it"
+        );
+        runtime.shutdown_timeout(Duration::from_secs(1));
+        return Ok(());
+    }
+    if let Some(file) = &socket_file {
+        file.remove_if_ours();
     }
     if settings.cleanup || registry.is_empty() {
         registry.remove_all().map_err(Box::new)?;

@@ -74,7 +74,9 @@ enum Cmd {
         streams: usize,
     },
     /// New connections per second, each carrying one 64-byte echo, from
-    /// `workers` threads for `seconds`; prints `CONN per_s=X`.
+    /// `workers` threads for `seconds`, as fast as possible or paced at
+    /// `rate` per second in all; prints `CONN per_s=X ok=N failed=M
+    /// first_error=<kind or none>`.
     Connrate {
         #[arg(long)]
         connect: SocketAddr,
@@ -82,6 +84,8 @@ enum Cmd {
         seconds: u64,
         #[arg(long, default_value_t = 4)]
         workers: usize,
+        #[arg(long)]
+        rate: Option<u64>,
     },
     /// HTTP/1.0 GET; prints `STATUS <code>` and then the body.
     Get {
@@ -201,7 +205,8 @@ fn main() -> ExitCode {
             connect,
             seconds,
             workers,
-        } => connrate(connect, seconds, workers),
+            rate,
+        } => connrate(connect, seconds, workers, rate),
         Cmd::Get { addr, path } => get(addr, &path),
         Cmd::Hold {
             connect,
@@ -784,36 +789,62 @@ fn bulk(addr: SocketAddr, seconds: u64, streams: usize) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn connrate(addr: SocketAddr, seconds: u64, workers: usize) -> ExitCode {
+fn connrate(addr: SocketAddr, seconds: u64, workers: usize, rate: Option<u64>) -> ExitCode {
     let deadline = std::time::Instant::now() + Duration::from_secs(seconds);
     let start = std::time::Instant::now();
-    let handles: Vec<_> = (0..workers.max(1))
-        .map(|_| {
-            std::thread::spawn(move || -> (u64, u64) {
-                let (mut ok, mut failed) = (0u64, 0u64);
+    let workers = workers.max(1);
+    let handles: Vec<_> = (0..workers)
+        .map(|w| {
+            std::thread::spawn(move || -> (u64, u64, Option<String>) {
+                let (mut ok, mut failed, mut first) = (0u64, 0u64, None);
                 let msg = [5u8; 64];
+                // With a rate, worker w takes slots w, w + workers, ...
+                let mut slot = w as u64;
                 while std::time::Instant::now() < deadline {
+                    if let Some(rate) = rate {
+                        let due = start + Duration::from_secs_f64(slot as f64 / rate.max(1) as f64);
+                        slot += workers as u64;
+                        if due >= deadline {
+                            break;
+                        }
+                        if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
+                            std::thread::sleep(wait);
+                        }
+                    }
                     let one = (|| -> std::io::Result<()> {
                         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
                         s.set_read_timeout(Some(Duration::from_secs(5)))?;
                         s.write_all(&msg)?;
                         let mut back = [0u8; 64];
                         s.read_exact(&mut back)?;
+                        if back != msg {
+                            return Err(std::io::Error::other("echo differs"));
+                        }
                         Ok(())
                     })();
-                    if one.is_ok() { ok += 1 } else { failed += 1 }
+                    match one {
+                        Ok(()) => ok += 1,
+                        Err(e) => {
+                            failed += 1;
+                            first.get_or_insert_with(|| format!("{:?}", e.kind()));
+                        }
+                    }
                 }
-                (ok, failed)
+                (ok, failed, first)
             })
         })
         .collect();
-    let (ok, failed) = handles
-        .into_iter()
-        .map(|h| h.join().unwrap_or((0, 0)))
-        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let (mut ok, mut failed, mut first) = (0, 0, None);
+    for h in handles {
+        let (o, f, e) = h.join().unwrap_or((0, 1, Some("worker panicked".into())));
+        ok += o;
+        failed += f;
+        first = first.or(e);
+    }
     println!(
-        "CONN per_s={:.0} ok={ok} failed={failed}",
-        ok as f64 / start.elapsed().as_secs_f64()
+        "CONN per_s={:.0} ok={ok} failed={failed} first_error={}",
+        ok as f64 / start.elapsed().as_secs_f64(),
+        first.as_deref().unwrap_or("none")
     );
     ExitCode::SUCCESS
 }

@@ -202,6 +202,59 @@ fn take_over(pin: &Path, prog_fd: i32) -> Result<(), CaptureError> {
     Ok(())
 }
 
+/// Whether another ztunnel has taken over this one's cgroup links: the
+/// pinned `connect4` link now runs a program other than the one this
+/// process loaded (a newer process swapped its own in with
+/// `BPF_LINK_UPDATE`). Then this process is the old half of an upgrade and
+/// must leave every pin, map entry and attachment to the new one. `None`
+/// when there is no such link to ask (the iptables backend, or nothing
+/// attached).
+pub fn superseded(ebpf: &Ebpf, pins: &PinRoot) -> Option<bool> {
+    let pin = pins.link(&pin_name(program::CONNECT4));
+    let ours = ebpf
+        .program(program::CONNECT4)
+        .and_then(|p| <&CgroupSockAddr>::try_from(p).ok())
+        .and_then(|p| p.info().ok())
+        .map(|info| info.id())?;
+    let link = obj_get(&pin).ok()?;
+    let running = link_prog_id(&link).ok()?;
+    Some(running != ours)
+}
+
+/// `bpf(BPF_OBJ_GET_INFO_BY_FD)` on a link: the id of the program it runs.
+fn link_prog_id(link: &impl AsFd) -> std::io::Result<u32> {
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    // struct bpf_link_info starts with type, id, prog_id (all u32); the
+    // rest (a union per link type) is not needed, and a shorter buffer is
+    // allowed.
+    let mut info = [0u32; 3];
+    let attr = InfoAttr {
+        bpf_fd: link.as_fd().as_raw_fd() as u32,
+        info_len: std::mem::size_of_val(&info) as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: bpf(2) with a valid attr; `info` outlives the call and is as
+    // long as `info_len` says.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &raw const attr,
+            std::mem::size_of::<InfoAttr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(info[2])
+}
+
 /// `bpf(BPF_OBJ_GET)`: opens a pinned object.
 pub(crate) fn obj_get(pin: &Path) -> std::io::Result<OwnedFd> {
     const BPF_OBJ_GET: libc::c_long = 7;

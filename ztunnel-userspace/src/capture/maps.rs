@@ -212,6 +212,9 @@ impl OrigDstTable {
 /// connect, so `capture_lookup` does not steer the leg's SYN back to ztunnel.
 pub struct InboundLegTable {
     map: std::sync::Mutex<HashMap<MapData, LegKey, u8>>,
+    /// Entries found at start-up, removed later by
+    /// [`Self::remove_left_at_start`].
+    left_at_start: std::sync::Mutex<Vec<LegKey>>,
 }
 
 impl std::fmt::Debug for InboundLegTable {
@@ -242,19 +245,34 @@ impl InboundLegTable {
         let map = ebpf
             .take_map(MAP_INBOUND_LEGS)
             .ok_or_else(|| map_err(MAP_INBOUND_LEGS, "not in the object"))?;
-        let mut map: HashMap<MapData, LegKey, u8> =
+        let map: HashMap<MapData, LegKey, u8> =
             HashMap::try_from(map).map_err(|e| map_err(MAP_INBOUND_LEGS, e))?;
         // Entries left by a process that died in the middle of a connect
-        // would otherwise stay forever (the map is pinned). Removing one that
-        // a still-draining predecessor needs only costs that leg a detour
-        // through our plaintext listener.
-        let stale: Vec<LegKey> = map.keys().filter_map(Result::ok).collect();
-        for key in &stale {
-            let _ = map.remove(key);
-        }
+        // would stay forever (the map is pinned), but one found now may as
+        // well belong to a predecessor that is still running (an upgrade)
+        // and connecting right now: removing it would steer that leg's SYN
+        // to our own listener. Noted now, removed later if still there.
+        let left_at_start: Vec<LegKey> = map.keys().filter_map(Result::ok).collect();
         Ok(Self {
             map: std::sync::Mutex::new(map),
+            left_at_start: std::sync::Mutex::new(left_at_start),
         })
+    }
+
+    /// Removes the entries that were there at start-up and still are. A
+    /// leg is listed only for its connect (bounded by the connect timeout),
+    /// so an entry that outlived the reconcile grace has no connect behind
+    /// it. Returns how many were removed.
+    pub fn remove_left_at_start(&self) -> usize {
+        let left = self
+            .left_at_start
+            .lock()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default();
+        let Ok(mut map) = self.map.lock() else {
+            return 0;
+        };
+        left.iter().filter(|key| map.remove(key).is_ok()).count()
     }
 
     /// Lists the leg from `source` (ztunnel's bound transparent address) to

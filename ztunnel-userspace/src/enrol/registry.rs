@@ -742,6 +742,9 @@ impl PodRegistry {
                 }
             }
         }
+        if let Some(legs) = &self.legs {
+            removed += legs.remove_left_at_start();
+        }
         if removed > 0 {
             tracing::info!(removed, "removed kernel state of pods no longer enrolled");
         }

@@ -167,9 +167,40 @@ pub enum ZdsError {
     Closed,
 }
 
-/// Listens on `path` (replacing a stale socket file) and serves each client
-/// on its own thread. Returns once listening.
-pub fn serve(path: &Path, registry: Arc<PodRegistry>) -> Result<(), ZdsError> {
+/// The socket file this process bound, identified by device and inode so
+/// that it is removed only while it is still ours.
+#[derive(Debug)]
+pub struct SocketFile {
+    path: PathBuf,
+    id: Option<(u64, u64)>,
+}
+
+impl SocketFile {
+    fn identify(path: &Path) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::symlink_metadata(path)
+            .ok()
+            .map(|m| (m.dev(), m.ino()))
+    }
+
+    /// Removes the file if it is still the one this process bound. During
+    /// an upgrade the next ztunnel replaces it with its own before this one
+    /// exits; removing that would cut the node agent off from it.
+    pub fn remove_if_ours(&self) -> bool {
+        let ours = self.id.is_some() && Self::identify(&self.path) == self.id;
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        } else {
+            tracing::info!(socket = %self.path.display(), "enrolment socket file belongs to another ztunnel now: left in place");
+        }
+        ours
+    }
+}
+
+/// Listens on `path` (replacing a stale socket file, or the one of a
+/// ztunnel being replaced) and serves each client on its own thread.
+/// Returns once listening.
+pub fn serve(path: &Path, registry: Arc<PodRegistry>) -> Result<SocketFile, ZdsError> {
     let sock_err = |source| ZdsError::Socket {
         path: path.to_path_buf(),
         source,
@@ -189,6 +220,10 @@ pub fn serve(path: &Path, registry: Arc<PodRegistry>) -> Result<(), ZdsError> {
     )
     .map_err(sock_err)?;
     bind(fd.as_raw_fd(), &UnixAddr::new(path).map_err(sock_err)?).map_err(sock_err)?;
+    let file = SocketFile {
+        path: path.to_path_buf(),
+        id: SocketFile::identify(path),
+    };
     listen(&fd, Backlog::new(64).map_err(sock_err)?).map_err(sock_err)?;
     let label = path.display().to_string();
     std::thread::Builder::new()
@@ -215,7 +250,7 @@ pub fn serve(path: &Path, registry: Arc<PodRegistry>) -> Result<(), ZdsError> {
             path: path.to_path_buf(),
             source: e,
         })?;
-    Ok(())
+    Ok(file)
 }
 
 /// One received packet and the fd that came with it, if any.

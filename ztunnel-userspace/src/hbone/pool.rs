@@ -98,6 +98,10 @@ fn lock(slot: &Mutex<Slot>) -> std::sync::MutexGuard<'_, Slot> {
 /// went away, sends a stream round again.
 const PICK_ROUNDS: usize = 4;
 
+/// How many connections one `CONNECT` is tried on when they turn out to be
+/// closed or going away before the stream was taken.
+const CONNECT_ATTEMPTS: usize = 3;
+
 /// Held by the stream that opens a connection for its slot. However the
 /// open ends (success, failure, or the stream's task being dropped), the
 /// slot stops announcing it and the waiters learn the outcome (a dropped
@@ -252,34 +256,54 @@ impl HbonePool {
         let limit = self.settings.timeouts.connect_response;
         // A pooled connection may have been closed by the peer (GOAWAY on
         // drain, an idle timeout) since we last looked: then it is dropped
-        // from the pool and the stream is tried once more on a fresh one.
+        // from the pool and the stream is tried again on a fresh one. The
+        // same when the peer refuses the stream itself because it is going
+        // away (its GOAWAY crossed our request): a refused stream was never
+        // seen by the application, so it is safe to send again. This is
+        // what lets a draining peer (an upgrade) cost no connection.
         let mut attempt = 0;
-        let (conn, guard, mut send) = loop {
+        let (conn, guard, stream, response) = loop {
             attempt += 1;
             let conn = self.pick(&slot, &key, sockets).await?;
             let guard = StreamGuard(Arc::clone(&conn));
+            let request = Request::builder()
+                .method(Method::CONNECT)
+                .uri(target.to_string())
+                .header("forwarded", format!("for=\"{client}\""))
+                .body(())?;
             // Waits for the peer to allow one more stream.
             let ready = conn.send.clone().ready();
-            match within(Phase::ConnectResponse, limit, peer, &self.metrics, ready).await? {
-                Ok(send) => break (conn, guard, send),
+            let sent =
+                match within(Phase::ConnectResponse, limit, peer, &self.metrics, ready).await? {
+                    Ok(mut send) => send.send_request(request, false),
+                    Err(e) => Err(e),
+                };
+            // Until the request is out, any failure is the connection's
+            // (closed, going away): the stream was never sent.
+            let (response, stream) = match sent {
+                Ok(sent) => sent,
                 Err(e) => {
                     conn.closed.store(true, Ordering::Release);
-                    if attempt >= 2 {
+                    if attempt >= CONNECT_ATTEMPTS {
                         return Err(h2_err(e));
                     }
+                    tracing::debug!(%peer, attempt, error = %e, "HBONE connection unusable: trying another");
+                    continue;
                 }
+            };
+            // Dropping the response future on expiry resets the stream.
+            match within(Phase::ConnectResponse, limit, peer, &self.metrics, response).await? {
+                Ok(response) => break (conn, guard, stream, response),
+                Err(e) if e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM) => {
+                    conn.closed.store(true, Ordering::Release);
+                    if attempt >= CONNECT_ATTEMPTS {
+                        return Err(h2_err(e));
+                    }
+                    tracing::debug!(%peer, attempt, error = %e, "HBONE stream refused by a peer going away: trying another connection");
+                }
+                Err(e) => return Err(h2_err(e)),
             }
         };
-        let request = Request::builder()
-            .method(Method::CONNECT)
-            .uri(target.to_string())
-            .header("forwarded", format!("for=\"{client}\""))
-            .body(())?;
-        let (response, stream) = send.send_request(request, false).map_err(h2_err)?;
-        // Dropping the response future on expiry resets the stream.
-        let response = within(Phase::ConnectResponse, limit, peer, &self.metrics, response)
-            .await?
-            .map_err(h2_err)?;
         if response.status() != StatusCode::OK {
             return Err(HboneError::Status {
                 peer,

@@ -30,6 +30,16 @@ pub enum ListenError {
     /// Entering the namespace failed.
     #[error(transparent)]
     Netns(#[from] NetnsError),
+    /// A sysctl the listeners rely on could not be set.
+    #[error("cannot set {name} in {pod}: {source}")]
+    Sysctl {
+        /// The pod namespace.
+        pod: String,
+        /// The sysctl.
+        name: &'static str,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// Binding failed (the port is taken inside the pod?).
     #[error("cannot listen on {addr} in {pod}: {source}")]
     Bind {
@@ -53,6 +63,10 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
         socket.set_only_v6(true)?;
     }
     socket.set_reuse_address(true)?;
+    // A second ztunnel (an upgrade with two running for a while) opens the
+    // same ports beside ours; with `tcp_migrate_req` the connections still
+    // queued on the listeners of the one that stops move to the other.
+    socket.set_reuse_port(true)?;
     socket.bind(&addr.into())?;
     socket.listen(BACKLOG)?;
     socket.set_nonblocking(true)?;
@@ -61,9 +75,22 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
 
 /// Opens all listeners inside `netns`. IPv4 ones are required; IPv6 ones
 /// are skipped when the pod has IPv6 disabled.
+///
+/// Also sets `net.ipv4.tcp_migrate_req = 1` in the pod (it covers IPv6
+/// too): when one of two ztunnels sharing a port closes its listener, the
+/// connections in its accept queue (and half-open ones) move to the other
+/// listener of the `SO_REUSEPORT` group instead of being reset. That is
+/// what makes an upgrade lose no new connection.
 pub fn open(netns: &PodNetns) -> Result<PodListeners, ListenError> {
     let pod = netns.name().to_owned();
     netns.run(move || {
+        std::fs::write("/proc/sys/net/ipv4/tcp_migrate_req", "1").map_err(|source| {
+            ListenError::Sysctl {
+                pod: pod.clone(),
+                name: "net.ipv4.tcp_migrate_req",
+                source,
+            }
+        })?;
         let v4 = |ip: Ipv4Addr, port| -> Result<TcpListener, ListenError> {
             let addr = SocketAddr::from((ip, port));
             listen(addr).map_err(|source| ListenError::Bind {

@@ -88,6 +88,22 @@ fn ip(args: &[String]) -> Result<(), String> {
     }
 }
 
+/// Whether the reply rule is in place for `family`.
+fn has_rule(family: &str) -> Result<bool, String> {
+    let out = Command::new("ip")
+        .args([family, "rule", "show"])
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+    }
+    let wanted =
+        format!("fwmark {INBOUND_REPLY_BIT:#x}/{INBOUND_REPLY_BIT:#x} lookup {REPLY_ROUTE_TABLE}");
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .any(|l| l.starts_with(&format!("{REPLY_ROUTE_TABLE}:")) && l.contains(&wanted)))
+}
+
 /// Installs the reply routing in `netns` (idempotent).
 pub fn install(netns: &PodNetns) -> Result<(), RoutingError> {
     let pod = netns.name().to_owned();
@@ -110,9 +126,13 @@ pub fn install(netns: &PodNetns) -> Result<(), RoutingError> {
         }
         let families: &[&str] = if v6 { &["-4", "-6"] } else { &["-4"] };
         for family in families {
-            // Remove first so a re-enrolment does not stack duplicates.
-            let _ = ip(&rule_args(family, "del"));
-            ip(&rule_args(family, "add")).map_err(|m| step("ip rule add", m))?;
+            // Added only when missing: `ip rule add` stacks duplicates, and
+            // a delete-then-add would leave a moment without the rule, in
+            // which the replies of connections a running ztunnel carries
+            // (an upgrade) leave the pod.
+            if !has_rule(family).map_err(|m| step("ip rule show", m))? {
+                ip(&rule_args(family, "add")).map_err(|m| step("ip rule add", m))?;
+            }
             ip(&route_args(family, "replace")).map_err(|m| step("ip route replace", m))?;
         }
         Ok(())
