@@ -425,6 +425,13 @@ fn watch_config(
             let mut last_retry = Instant::now();
             loop {
                 std::thread::sleep(CONFIG_POLL_INTERVAL);
+                // A draining process changes no enrolment any more: during
+                // an upgrade its successor owns the pods' kernel state, and
+                // an enrolment from here would take its listeners' place.
+                if *registry.shared().draining.borrow() {
+                    tracing::debug!("draining: config no longer watched");
+                    return;
+                }
                 let now = stamp(&path);
                 let read = read_config(&path);
                 if now == last && read == last_read {
