@@ -21,7 +21,6 @@
 use std::{future::Future, io, net::SocketAddr, sync::Arc, time::Duration};
 
 use tokio::net::{TcpListener, TcpStream};
-use tracing::Instrument as _;
 
 use crate::{
     limits::PodLimit,
@@ -244,11 +243,6 @@ impl AcceptLoop {
         }
     }
 
-    /// The pod's counter, when this is a pod's listener.
-    pub fn pod_limit(&self) -> Option<&Arc<PodLimit>> {
-        self.limit.as_ref()
-    }
-
     /// Accepts forever (until the task is aborted). Each connection over
     /// the pod's or node's limit is closed at once; each other one is
     /// passed to `handle`, and the future it returns (if any) is spawned
@@ -258,45 +252,39 @@ impl AcceptLoop {
         H: FnMut(TcpStream, SocketAddr) -> Option<F>,
         F: Future<Output = ()> + Send + 'static,
     {
-        let span = tracing::info_span!(
-            "accept",
-            listener = self.errors.listener.as_str(),
-            pod = self.errors.pod.as_deref().unwrap_or("-")
-        );
-        async move {
-            loop {
-                let (stream, peer) = match listener.accept().await {
-                    Ok(accepted) => {
-                        self.errors.succeeded();
-                        accepted
-                    }
-                    Err(e) => {
-                        if let Some(wait) = self.errors.failed(e.raw_os_error(), &e) {
-                            tokio::time::sleep(wait).await;
-                        }
-                        continue;
-                    }
-                };
-                let permit = match &self.limit {
-                    Some(limit) => match limit.admit() {
-                        Some(permit) => Some(permit),
-                        // Closed (gracefully: see `proxy::outbound::handle`
-                        // for why not with a reset); counted and logged by
-                        // the limit.
-                        None => continue,
-                    },
-                    None => None,
-                };
-                if let Some(work) = handle(stream, peer) {
-                    tokio::spawn(async move {
-                        let _permit = permit;
-                        work.await;
-                    });
+        // No span around the loop: each connection's span (made by
+        // `handle`) would become its child and every connection's log line
+        // would grow; the loop's own warnings name listener and pod.
+        loop {
+            let (stream, peer) = match listener.accept().await {
+                Ok(accepted) => {
+                    self.errors.succeeded();
+                    accepted
                 }
+                Err(e) => {
+                    if let Some(wait) = self.errors.failed(e.raw_os_error(), &e) {
+                        tokio::time::sleep(wait).await;
+                    }
+                    continue;
+                }
+            };
+            let permit = match &self.limit {
+                Some(limit) => match limit.admit() {
+                    Some(permit) => Some(permit),
+                    // Closed (gracefully: see `proxy::outbound::handle`
+                    // for why not with a reset); counted and logged by
+                    // the limit.
+                    None => continue,
+                },
+                None => None,
+            };
+            if let Some(work) = handle(stream, peer) {
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    work.await;
+                });
             }
         }
-        .instrument(span)
-        .await;
     }
 }
 

@@ -542,3 +542,23 @@ fn forwarded(client: SocketAddr, service: Option<&str>) -> String {
 pub fn hbone_addr(pod_ip: IpAddr) -> SocketAddr {
     SocketAddr::new(pod_ip, INBOUND_HBONE_PORT)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_forwarded_header_names_the_service_when_it_can() {
+        let client: SocketAddr = "10.0.0.9:4000".parse().expect("addr");
+        assert_eq!(
+            forwarded(client, Some("web.test.svc.cluster.local")),
+            "for=\"10.0.0.9:4000\";host=web.test.svc.cluster.local"
+        );
+        assert_eq!(forwarded(client, None), "for=\"10.0.0.9:4000\"");
+        // Not a token: left out rather than breaking the header.
+        assert_eq!(
+            forwarded(client, Some("we b;x=\"y\"")),
+            "for=\"10.0.0.9:4000\""
+        );
+    }
+}
