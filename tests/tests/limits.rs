@@ -424,6 +424,93 @@ fn enrolment_clients_over_the_limit_are_told_and_closed() {
     z.wait_for_log("pod enrolled pod=app", Duration::from_secs(10));
 }
 
+/// Runs `zt-hostile stall` from `pod` against `dst` without waiting.
+fn stall(pod: &ztunnel_tests::Pod, dst: SocketAddr, count: usize, wait_secs: u64) -> PodProcess {
+    let mut cmd = pod.command(&sibling_bin("zt-hostile"));
+    cmd.args(["stall", "--connect", &dst.to_string(), "--count"]);
+    cmd.arg(count.to_string());
+    cmd.args(["--bytes", "0", "--wait-secs", &wait_secs.to_string()]);
+    PodProcess::spawn("stall", cmd)
+}
+
+/// `(closed, max_close_ms)` from a finished `zt-hostile stall`.
+fn stall_result(p: PodProcess) -> (usize, u64) {
+    let done = p.wait(Duration::from_secs(60));
+    let line = done
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .unwrap_or_else(|| panic!("no RESULT: {done:?}"))
+        .to_owned();
+    eprintln!("{line}");
+    let field = |key: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in {line}"))
+    };
+    (field("closed") as usize, field("max_close_ms"))
+}
+
+/// ztunnel's fixed limit per admin, metrics or readiness server
+/// (`limits::ADMIN_CONNECTIONS_PER_LISTENER`).
+const ADMIN_MAX: usize = 128;
+/// Connections beyond it in the flood test.
+const ADMIN_EXTRA: usize = 12;
+
+#[test]
+fn a_flood_on_the_metrics_port_is_capped_and_silent_clients_are_dropped() {
+    if !require_root("a_flood_on_the_metrics_port_is_capped_and_silent_clients_are_dropped") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let n = cluster.add_node("node-a");
+    cluster.add_pod(n, "plain");
+    let z = Ztunnel::start(&cluster, n, &[]);
+    let plain = cluster.pod("plain");
+    // 15020 listens on every address of the node, so a pod reaches it.
+    let port = SocketAddr::from((cluster.node(n).ip, 15020));
+    let mut holders = stall(plain, port, ADMIN_MAX, 20);
+    assert_eq!(
+        holders.read_line(Duration::from_secs(30)),
+        format!("OPENED {ADMIN_MAX}")
+    );
+    let over = stall_result(stall(plain, port, ADMIN_EXTRA, 3));
+    assert_eq!(
+        over.0, ADMIN_EXTRA,
+        "every connection over the limit is closed"
+    );
+    assert!(
+        over.1 < AT_ONCE.as_millis() as u64,
+        "refused connections were held {} ms",
+        over.1
+    );
+    // Another server of the node still answers meanwhile.
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let (status, _) = Ztunnel::http_get(
+        &cluster.node(n).netns().path(),
+        &cg.procs(),
+        "127.0.0.1:15021",
+        "/healthz/ready",
+    );
+    assert_eq!(status, 200);
+    // The holders never send a request: dropped after the header timeout
+    // (10 s), not kept for as long as they like.
+    let (closed, max_close_ms) = stall_result(holders);
+    assert_eq!(closed, ADMIN_MAX, "silent clients are dropped");
+    assert!(
+        (9_000..19_000).contains(&max_close_ms),
+        "silent clients held {max_close_ms} ms"
+    );
+    let text = metrics(&cluster, n, &cg);
+    assert_eq!(
+        reached(&text, "admin_connections"),
+        ADMIN_EXTRA as u64,
+        "{text}"
+    );
+    z.wait_for_log("limit=\"admin_connections\"", Duration::from_secs(5));
+}
+
 /// The lowest file descriptor number `pid` does not use: with
 /// `RLIMIT_NOFILE` set to it, its next `accept()` fails with `EMFILE`.
 fn lowest_free_fd(pid: u32) -> u64 {

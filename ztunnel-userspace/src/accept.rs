@@ -15,15 +15,16 @@
 //! ten seconds per listener.
 //!
 //! A pod's listeners also admit each connection against the pod's and the
-//! node's connection limits (`crate::limits`) before anything is spawned
-//! for it; the permit lives as long as the connection's task.
+//! node's connection limits (`crate::limits`), and the admin, metrics and
+//! readiness servers against a fixed limit each, before anything is
+//! spawned for it; the permit lives as long as the connection's task.
 
 use std::{future::Future, io, net::SocketAddr, sync::Arc, time::Duration};
 
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::{
-    limits::PodLimit,
+    limits::{ADMIN_CONNECTIONS_PER_LISTENER, ConnectionPermit, ListenerLimit, PodLimit, Slot},
     telemetry::{Metrics, throttle::LogThrottle},
 };
 
@@ -223,15 +224,39 @@ impl AcceptErrors {
 #[derive(Debug)]
 pub struct AcceptLoop {
     errors: AcceptErrors,
-    limit: Option<Arc<PodLimit>>,
+    limit: Admission,
+}
+
+/// What a new connection is admitted against.
+#[derive(Debug)]
+enum Admission {
+    /// Its pod's and the node's connection limits.
+    Pod(Arc<PodLimit>),
+    /// The listener's own limit (admin, metrics, readiness).
+    Listener(ListenerLimit),
+}
+
+/// Held by a connection's task: its place under the limit, given back
+/// when the task ends (the fields are only there to be dropped).
+#[derive(Debug)]
+#[allow(dead_code, reason = "held for their Drop, never read")]
+enum Permit {
+    Pod(ConnectionPermit),
+    Listener(Slot),
 }
 
 impl AcceptLoop {
-    /// For a node listener (admin, metrics, readiness): no connection limit.
+    /// For a node listener (admin, metrics, readiness): at most
+    /// [`ADMIN_CONNECTIONS_PER_LISTENER`] open connections.
     pub fn node(listener: ListenerKind, metrics: Arc<Metrics>) -> Self {
+        let limit = ListenerLimit::new(
+            listener.as_str(),
+            ADMIN_CONNECTIONS_PER_LISTENER,
+            Arc::clone(&metrics),
+        );
         Self {
             errors: AcceptErrors::new(listener, None, metrics),
-            limit: None,
+            limit: Admission::Listener(limit),
         }
     }
 
@@ -239,7 +264,7 @@ impl AcceptLoop {
     pub fn pod(listener: ListenerKind, limit: Arc<PodLimit>, metrics: Arc<Metrics>) -> Self {
         Self {
             errors: AcceptErrors::new(listener, Some(limit.uid().to_owned()), metrics),
-            limit: Some(limit),
+            limit: Admission::Pod(limit),
         }
     }
 
@@ -269,15 +294,13 @@ impl AcceptLoop {
                 }
             };
             let permit = match &self.limit {
-                Some(limit) => match limit.admit() {
-                    Some(permit) => Some(permit),
-                    // Closed (gracefully: see `proxy::outbound::handle`
-                    // for why not with a reset); counted and logged by
-                    // the limit.
-                    None => continue,
-                },
-                None => None,
+                Admission::Pod(limit) => limit.admit().map(Permit::Pod),
+                Admission::Listener(limit) => limit.admit().map(Permit::Listener),
             };
+            // Over the limit: closed (gracefully: see
+            // `proxy::outbound::handle` for why not with a reset); counted
+            // and logged by the limit.
+            let Some(permit) = permit else { continue };
             if let Some(work) = handle(stream, peer) {
                 tokio::spawn(async move {
                     let _permit = permit;

@@ -26,7 +26,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::{body::Incoming, server::conn::http1, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
 use crate::{
@@ -82,6 +82,12 @@ pub enum AdminError {
         source: std::io::Error,
     },
 }
+
+/// How long a client of the admin, metrics or readiness server may take to
+/// send its request headers. Scrapers and probes send them at once; ten
+/// seconds, like the handshake timeouts, keeps a silent client (these
+/// ports are reachable from pods) from holding a place for long.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 type Body = Full<Bytes>;
 
@@ -176,6 +182,8 @@ async fn serve(listener: TcpListener, kind: Kind, state: Arc<AdminState>) {
                     async move { Ok::<_, Infallible>(route(kind, &req, &state)) }
                 });
                 let _ = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
                     .serve_connection(TokioIo::new(stream), service)
                     .await;
             })

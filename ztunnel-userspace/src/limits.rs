@@ -47,6 +47,14 @@ pub const DEFAULT_HBONE_HANDSHAKES: usize = 1_024;
 /// that waiting clients hold while leaving room for a burst of CNI calls.
 pub const DEFAULT_ENROL_CLIENTS: usize = 64;
 
+/// Open connections on each of the admin (15000), metrics (15020) and
+/// readiness (15021) servers. Scrapers and probes hold one or two at a
+/// time; 128 leaves room for several of them while bounding what a pod
+/// that can reach 15020 or 15021 can make ztunnel hold (each such server
+/// also drops a client that sends no request headers within
+/// `admin::HEADER_READ_TIMEOUT`).
+pub const ADMIN_CONNECTIONS_PER_LISTENER: usize = 128;
+
 /// The limits (built from flags by `main`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -82,6 +90,8 @@ pub enum Limit {
     HboneHandshakes,
     /// `--max-enrol-clients`.
     EnrolClients,
+    /// [`ADMIN_CONNECTIONS_PER_LISTENER`].
+    AdminConnections,
 }
 
 impl Limit {
@@ -92,6 +102,7 @@ impl Limit {
             Self::NodeConnections => "node_connections",
             Self::HboneHandshakes => "hbone_handshakes",
             Self::EnrolClients => "enrol_clients",
+            Self::AdminConnections => "admin_connections",
         }
     }
 }
@@ -233,6 +244,47 @@ impl PodLimit {
     }
 }
 
+/// The open connections of one admin, metrics or readiness server.
+#[derive(Debug)]
+pub struct ListenerLimit {
+    listener: &'static str,
+    max: usize,
+    open: Gauge<i64, std::sync::atomic::AtomicI64>,
+    metrics: Arc<Metrics>,
+    log: LogThrottle,
+}
+
+impl ListenerLimit {
+    /// At most `max` open connections on `listener` (a name for the log).
+    pub fn new(listener: &'static str, max: usize, metrics: Arc<Metrics>) -> Self {
+        Self {
+            listener,
+            max,
+            open: Gauge::default(),
+            metrics,
+            log: LogThrottle::default(),
+        }
+    }
+
+    /// Admits one more connection, or refuses it (counted and logged).
+    pub fn admit(&self) -> Option<Slot> {
+        let slot = Slot::take(&self.open, self.max);
+        if slot.is_none() {
+            self.metrics.limit_reached(Limit::AdminConnections.as_str());
+            if let Some(suppressed) = self.log.allow() {
+                tracing::warn!(
+                    listener = self.listener,
+                    limit = Limit::AdminConnections.as_str(),
+                    max = self.max,
+                    suppressed,
+                    "limit reached: connection refused"
+                );
+            }
+        }
+        slot
+    }
+}
+
 /// One admitted connection: counted against its pod and the node until
 /// dropped.
 #[derive(Debug)]
@@ -335,6 +387,21 @@ mod tests {
         assert!(node.enrol_client().is_none());
         drop(client);
         assert_eq!(node.metrics.enrol_clients.get(), 0);
+    }
+
+    #[test]
+    fn an_admin_listener_has_its_own_places() {
+        let metrics = Metrics::new();
+        let admin = ListenerLimit::new("metrics", 1, Arc::clone(&metrics));
+        let held = admin.admit().expect("one place");
+        assert!(admin.admit().is_none());
+        drop(held);
+        assert!(admin.admit().is_some());
+        assert!(
+            metrics
+                .encode()
+                .contains("ztunnel_limit_reached_total{limit=\"admin_connections\"} 1")
+        );
     }
 
     #[test]
