@@ -108,6 +108,67 @@ fn refused(pod: &ztunnel_tests::Pod, dst: SocketAddr, name: &str) -> Duration {
     took
 }
 
+/// Runs `zt-hostile stall` from `pod`: `count` connections to `dst`, each
+/// sending `bytes` of a TLS record header and then nothing.
+fn stall(
+    pod: &ztunnel_tests::Pod,
+    dst: SocketAddr,
+    count: usize,
+    bytes: usize,
+    wait_secs: u64,
+) -> PodProcess {
+    let mut cmd = pod.command(&sibling_bin("zt-hostile"));
+    cmd.args(["stall", "--connect", &dst.to_string(), "--count"]);
+    cmd.arg(count.to_string());
+    cmd.args(["--bytes", &bytes.to_string()]);
+    cmd.args(["--wait-secs", &wait_secs.to_string()]);
+    PodProcess::spawn("stall", cmd)
+}
+
+/// What a `zt-hostile stall` saw.
+#[derive(Debug)]
+struct Stalled {
+    /// Connections whose connect (or first write) failed: a reset that
+    /// came before the client saw its connect complete.
+    failed: usize,
+    /// Connections opened.
+    opened: usize,
+    /// Of those, closed by ztunnel within the wait.
+    closed: usize,
+    /// The longest any closed one was held.
+    max_close_ms: u64,
+}
+
+impl Stalled {
+    /// Refused by ztunnel, whichever way the client saw it.
+    fn refused(&self) -> usize {
+        self.failed + self.closed
+    }
+}
+
+fn stall_result(p: PodProcess) -> Stalled {
+    let done = p.wait(Duration::from_secs(60));
+    let line = done
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .unwrap_or_else(|| panic!("no RESULT: {done:?}"))
+        .to_owned();
+    eprintln!("{line}");
+    let field = |key: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in {line}"))
+    };
+    Stalled {
+        failed: field("failed") as usize,
+        opened: field("opened") as usize,
+        closed: field("closed") as usize,
+        max_close_ms: field("max_close_ms"),
+    }
+}
+
 const PER_POD: usize = 3;
 const PER_NODE: usize = 5;
 /// "At once": process start-up and one round trip on a loaded machine; a
@@ -261,50 +322,24 @@ fn hbone_handshakes_in_progress_are_limited_and_counted_on_the_server() {
     let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
 
     let hbone = SocketAddr::from((b1.ip, 15008));
-    let mut cmd = cluster.pod("plain").command(&sibling_bin("zt-hostile"));
-    cmd.args([
-        "stall",
-        "--connect",
-        &hbone.to_string(),
-        "--count",
-        &STALLED.to_string(),
-        "--bytes",
-        "5",
-        "--wait-secs",
-        "8",
-    ]);
-    let mut stall = PodProcess::spawn("stall", cmd);
-    assert_eq!(
-        stall.read_line(Duration::from_secs(30)),
-        format!("OPENED {STALLED}")
-    );
+    let mut slowloris = stall(cluster.pod("plain"), hbone, STALLED, 5, 8);
+    let opened = slowloris.read_line(Duration::from_secs(30));
+    assert!(opened.starts_with("OPENED "), "{opened}");
     let text = metrics(&cluster, b, &cg);
     assert_eq!(
         value(&text, "ztunnel_hbone_pending_handshakes"),
         MAX_HANDSHAKES as u64,
         "{text}"
     );
-    let done = stall.wait(Duration::from_secs(30));
-    let result = done
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("RESULT"))
-        .unwrap_or_else(|| panic!("no RESULT: {done:?}"));
-    eprintln!("{result}");
-    // Those over the limit were closed; those within it were held (the
-    // handshake timeout is a minute).
+    let result = stall_result(slowloris);
+    // Those over the limit were refused at once; those within it were
+    // held (the handshake timeout is a minute).
+    assert_eq!(result.refused(), STALLED - MAX_HANDSHAKES, "{result:?}");
+    assert_eq!(result.opened - result.closed, MAX_HANDSHAKES, "{result:?}");
     assert!(
-        result.contains(&format!("closed={}", STALLED - MAX_HANDSHAKES)),
-        "{result}"
-    );
-    let max_close_ms: u64 = result
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("max_close_ms="))
-        .and_then(|v| v.parse().ok())
-        .expect("max_close_ms");
-    assert!(
-        max_close_ms < AT_ONCE.as_millis() as u64,
-        "refused handshakes were held {max_close_ms} ms"
+        result.max_close_ms < AT_ONCE.as_millis() as u64,
+        "refused handshakes were held {} ms",
+        result.max_close_ms
     );
     let text = metrics(&cluster, b, &cg);
     assert_eq!(
@@ -424,34 +459,6 @@ fn enrolment_clients_over_the_limit_are_told_and_closed() {
     z.wait_for_log("pod enrolled pod=app", Duration::from_secs(10));
 }
 
-/// Runs `zt-hostile stall` from `pod` against `dst` without waiting.
-fn stall(pod: &ztunnel_tests::Pod, dst: SocketAddr, count: usize, wait_secs: u64) -> PodProcess {
-    let mut cmd = pod.command(&sibling_bin("zt-hostile"));
-    cmd.args(["stall", "--connect", &dst.to_string(), "--count"]);
-    cmd.arg(count.to_string());
-    cmd.args(["--bytes", "0", "--wait-secs", &wait_secs.to_string()]);
-    PodProcess::spawn("stall", cmd)
-}
-
-/// `(closed, max_close_ms)` from a finished `zt-hostile stall`.
-fn stall_result(p: PodProcess) -> (usize, u64) {
-    let done = p.wait(Duration::from_secs(60));
-    let line = done
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("RESULT"))
-        .unwrap_or_else(|| panic!("no RESULT: {done:?}"))
-        .to_owned();
-    eprintln!("{line}");
-    let field = |key: &str| -> u64 {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(&format!("{key}=")))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no {key} in {line}"))
-    };
-    (field("closed") as usize, field("max_close_ms"))
-}
-
 /// ztunnel's fixed limit per admin, metrics or readiness server
 /// (`limits::ADMIN_CONNECTIONS_PER_LISTENER`).
 const ADMIN_MAX: usize = 128;
@@ -470,20 +477,21 @@ fn a_flood_on_the_metrics_port_is_capped_and_silent_clients_are_dropped() {
     let plain = cluster.pod("plain");
     // 15020 listens on every address of the node, so a pod reaches it.
     let port = SocketAddr::from((cluster.node(n).ip, 15020));
-    let mut holders = stall(plain, port, ADMIN_MAX, 20);
+    let mut holders = stall(plain, port, ADMIN_MAX, 0, 20);
     assert_eq!(
         holders.read_line(Duration::from_secs(30)),
         format!("OPENED {ADMIN_MAX}")
     );
-    let over = stall_result(stall(plain, port, ADMIN_EXTRA, 3));
+    let over = stall_result(stall(plain, port, ADMIN_EXTRA, 0, 3));
     assert_eq!(
-        over.0, ADMIN_EXTRA,
-        "every connection over the limit is closed"
+        over.refused(),
+        ADMIN_EXTRA,
+        "every connection over the limit is refused: {over:?}"
     );
     assert!(
-        over.1 < AT_ONCE.as_millis() as u64,
+        over.max_close_ms < AT_ONCE.as_millis() as u64,
         "refused connections were held {} ms",
-        over.1
+        over.max_close_ms
     );
     // Another server of the node still answers meanwhile.
     let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
@@ -496,11 +504,15 @@ fn a_flood_on_the_metrics_port_is_capped_and_silent_clients_are_dropped() {
     assert_eq!(status, 200);
     // The holders never send a request: dropped after the header timeout
     // (10 s), not kept for as long as they like.
-    let (closed, max_close_ms) = stall_result(holders);
-    assert_eq!(closed, ADMIN_MAX, "silent clients are dropped");
+    let held = stall_result(holders);
+    assert_eq!(
+        held.closed, ADMIN_MAX,
+        "silent clients are dropped: {held:?}"
+    );
     assert!(
-        (9_000..19_000).contains(&max_close_ms),
-        "silent clients held {max_close_ms} ms"
+        (9_000..19_000).contains(&held.max_close_ms),
+        "silent clients held {} ms",
+        held.max_close_ms
     );
     let text = metrics(&cluster, n, &cg);
     assert_eq!(

@@ -269,7 +269,7 @@ impl AcceptLoop {
     }
 
     /// Accepts forever (until the task is aborted). Each connection over
-    /// the pod's or node's limit is closed at once; each other one is
+    /// its limit is reset at once; each other one is
     /// passed to `handle`, and the future it returns (if any) is spawned
     /// holding the connection's permit.
     pub async fn run<H, F>(mut self, listener: TcpListener, mut handle: H)
@@ -297,10 +297,14 @@ impl AcceptLoop {
                 Admission::Pod(limit) => limit.admit().map(Permit::Pod),
                 Admission::Listener(limit) => limit.admit().map(Permit::Listener),
             };
-            // Over the limit: closed (gracefully: see
-            // `proxy::outbound::handle` for why not with a reset); counted
-            // and logged by the limit.
-            let Some(permit) = permit else { continue };
+            // Over the limit (counted and logged by the limit): reset, so
+            // the client learns at once that it was refused rather than
+            // seeing what looks like its server closing; the same signal
+            // a refused upstream gives (`proxy::outbound::handle`).
+            let Some(permit) = permit else {
+                let _ = stream.set_zero_linger();
+                continue;
+            };
             if let Some(work) = handle(stream, peer) {
                 tokio::spawn(async move {
                     let _permit = permit;

@@ -2,7 +2,7 @@
 //! and per node, HBONE handshakes in progress, enrolment clients.
 //!
 //! Each is checked where the thing is accepted, and a connection over a
-//! limit is closed at once (never queued: a queue would only move the
+//! limit is reset at once (never queued: a queue would only move the
 //! pile-up somewhere less visible). Every refusal is counted in
 //! `ztunnel_limit_reached_total{limit}` and logged with the pod and the
 //! limit, at most once per ten seconds per pod and limit

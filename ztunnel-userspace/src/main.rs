@@ -183,7 +183,7 @@ struct RunArgs {
     #[arg(long, env = "ZTUNNEL_SOCKS5_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_SOCKS5))]
     socks5_timeout_ms: u64,
     /// Open connections one pod may have on its listeners (15001, 15006,
-    /// 15008, 15080); a new one beyond it is closed at once, counted in
+    /// 15008, 15080); a new one beyond it is reset at once, counted in
     /// ztunnel_limit_reached_total{limit="pod_connections"} and logged.
     #[arg(long, env = "ZTUNNEL_MAX_CONNECTIONS_PER_POD", value_parser = at_least_one(), default_value_t = limits::DEFAULT_CONNECTIONS_PER_POD as u64)]
     max_connections_per_pod: u64,
@@ -192,7 +192,7 @@ struct RunArgs {
     #[arg(long, env = "ZTUNNEL_MAX_CONNECTIONS_PER_NODE", value_parser = at_least_one(), default_value_t = limits::DEFAULT_CONNECTIONS_PER_NODE as u64)]
     max_connections_per_node: u64,
     /// HBONE connections (port 15008, all pods) in their TLS or HTTP/2
-    /// handshake at once; one more is closed at once
+    /// handshake at once; one more is reset at once
     /// (limit="hbone_handshakes").
     #[arg(long, env = "ZTUNNEL_MAX_HBONE_HANDSHAKES", value_parser = at_least_one(), default_value_t = limits::DEFAULT_HBONE_HANDSHAKES as u64)]
     max_hbone_handshakes: u64,

@@ -497,6 +497,18 @@ fn workload_info(add: &AddWorkload) -> Result<&WorkloadInfo, String> {
     }
 }
 
+/// Receives the daemon's answer. A daemon that refused us (too many
+/// clients) answers and closes; if our request was still unread then,
+/// Linux reports `ECONNRESET` on the first receive, ahead of the answer
+/// still queued behind it (the error is consumed by that receive), so the
+/// answer is read with a second one.
+fn receive_answer(fd: RawFd) -> Result<Option<Packet>, nix::Error> {
+    match receive(fd) {
+        Err(nix::Error::ECONNRESET) => receive(fd),
+        other => other,
+    }
+}
+
 /// Client side (used by `ztunnel enrol`): sends requests in order on one
 /// connection and returns the first refusal, if any.
 pub fn request(
@@ -525,7 +537,7 @@ pub fn request(
         // before our request went out: its answer is still there to read,
         // and says more than EPIPE.
         if let Err(e) = sent {
-            return match receive(fd.as_raw_fd()) {
+            return match receive_answer(fd.as_raw_fd()) {
                 Ok(Some((bytes, _))) => match WorkloadResponse::decode(bytes.as_slice())?.payload {
                     Some(workload_response::Payload::Ack(ack)) if !ack.error.is_empty() => {
                         Err(ZdsError::Refused(ack.error))
@@ -535,7 +547,7 @@ pub fn request(
                 _ => Err(sock_err(e)),
             };
         }
-        let (bytes, _) = receive(fd.as_raw_fd())
+        let (bytes, _) = receive_answer(fd.as_raw_fd())
             .map_err(sock_err)?
             .ok_or(ZdsError::Closed)?;
         let response = WorkloadResponse::decode(bytes.as_slice())?;

@@ -68,7 +68,7 @@ impl std::fmt::Debug for HboneServer {
 
 /// Accepts HBONE connections forever (until the task is aborted). A
 /// connection that finds every handshake place of the node taken
-/// (`--max-hbone-handshakes`) is closed at once.
+/// (`--max-hbone-handshakes`) is reset at once.
 pub async fn serve(listener: TcpListener, server: HboneServer) {
     let acceptor = TlsAcceptor::from(Arc::clone(&server.tls));
     let pod_limit = server.shared.limits.pod(&server.pod);
@@ -79,8 +79,12 @@ pub async fn serve(listener: TcpListener, server: HboneServer) {
     );
     accept
         .run(listener, |tcp, peer| {
-            // Counted and logged by the limit; dropping `tcp` closes it.
-            let handshake = pod_limit.handshake()?;
+            // Counted and logged by the limit; reset like every refusal
+            // of the accept loop.
+            let Some(handshake) = pod_limit.handshake() else {
+                let _ = tcp.set_zero_linger();
+                return None;
+            };
             let acceptor = acceptor.clone();
             let server = server.clone();
             Some(async move {
