@@ -136,6 +136,7 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
         &sockets,
         SocketAddr::from((b2.ip, 8080)),
         client,
+        None,
     ));
     match result {
         Err(HboneError::Status { status, .. }) => assert_eq!(status.as_u16(), 400),
@@ -143,8 +144,13 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
         Ok(_) => panic!("a CONNECT to another pod's address was accepted"),
     }
     // And one of ztunnel's own ports on the right pod gets 503.
-    let result =
-        runtime.block_on(pool.connect(key, &sockets, SocketAddr::from((b1.ip, 15001)), client));
+    let result = runtime.block_on(pool.connect(
+        key,
+        &sockets,
+        SocketAddr::from((b1.ip, 15001)),
+        client,
+        None,
+    ));
     match result {
         Err(HboneError::Status { status, .. }) => assert_eq!(status.as_u16(), 503),
         Err(other) => panic!("expected 503, got {other}"),

@@ -315,7 +315,12 @@ fn metrics_admin_readiness_and_drain() {
         "{text_a}"
     );
     assert!(
-        metric(&text_a, "ztunnel_hbone_tls_handshakes", &[]).is_some_and(|v| v >= 1),
+        metric(
+            &text_a,
+            "ztunnel_hbone_tls_handshakes_total",
+            &["side=\"client\"", "outcome=\"ok\""]
+        )
+        .is_some_and(|v| v >= 1),
         "{text_a}"
     );
 

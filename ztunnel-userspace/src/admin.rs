@@ -5,7 +5,8 @@
 //! - `GET /config_dump` (admin): JSON with the workloads, services,
 //!   policies, certificates (identity and validity only; never keys),
 //!   enrolled pods, and the attached programs with their map entry counts.
-//! - `GET|POST /logging?level=FILTER` (admin): changes the log filter.
+//! - `GET|POST /logging?level=FILTER` (admin): changes the log filter
+//!   (URL-decoded and checked first: `telemetry::log_filter`).
 //! - `GET /healthz` (admin): 200 while the process runs.
 //! - `GET /metrics` (metrics): Prometheus text.
 //! - `GET /healthz/ready` (readiness): 200 once the programs are attached,
@@ -25,10 +26,15 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::{body::Incoming, server::conn::http1, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-use crate::{capture, enrol::PodRegistry, telemetry::Metrics};
+use crate::{
+    accept::{AcceptLoop, ListenerKind},
+    capture,
+    enrol::PodRegistry,
+    telemetry::{Metrics, log_filter},
+};
 
 /// Changes the log filter at runtime.
 pub type LogControl = Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
@@ -76,6 +82,12 @@ pub enum AdminError {
         source: std::io::Error,
     },
 }
+
+/// How long a client of the admin, metrics or readiness server may take to
+/// send its request headers. Scrapers and probes send them at once; ten
+/// seconds, like the handshake timeouts, keeps a silent client (these
+/// ports are reachable from pods) from holding a place for long.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 type Body = Full<Bytes>;
 
@@ -155,21 +167,28 @@ enum Kind {
 }
 
 async fn serve(listener: TcpListener, kind: Kind, state: Arc<AdminState>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let state = Arc::clone(&state);
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let state = Arc::clone(&state);
-                async move { Ok::<_, Infallible>(route(kind, &req, &state)) }
-            });
-            let _ = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+    let name = match kind {
+        Kind::Admin => ListenerKind::Admin,
+        Kind::Metrics => ListenerKind::Metrics,
+        Kind::Readiness => ListenerKind::Readiness,
+    };
+    let accept = AcceptLoop::node(name, Arc::clone(&state.metrics));
+    accept
+        .run(listener, |stream, _| {
+            let state = Arc::clone(&state);
+            Some(async move {
+                let service = service_fn(move |req| {
+                    let state = Arc::clone(&state);
+                    async move { Ok::<_, Infallible>(route(kind, &req, &state)) }
+                });
+                let _ = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            })
+        })
+        .await;
 }
 
 fn route(kind: Kind, req: &Request<Incoming>, state: &AdminState) -> Response<Body> {
@@ -199,34 +218,47 @@ fn route(kind: Kind, req: &Request<Incoming>, state: &AdminState) -> Response<Bo
     }
 }
 
+/// `/logging?level=FILTER`: the value is URL-decoded and checked
+/// (`telemetry::log_filter`); a filter that is refused changes nothing and
+/// is answered 400 naming it and what is wrong. The answer and the log line
+/// show the filter as installed (with the default level and the access log
+/// added when the filter left them out).
 fn logging(req: &Request<Incoming>, state: &AdminState) -> Response<Body> {
-    let level = req
+    let Some(raw) = req
         .uri()
         .query()
         .unwrap_or_default()
         .split('&')
-        .find_map(|kv| kv.strip_prefix("level="));
-    match level {
-        Some(level) => match (state.log_control)(level) {
-            Ok(()) => {
-                tracing::info!(filter = %level, "log filter changed");
-                reply(
-                    StatusCode::OK,
-                    "text/plain",
-                    format!("log filter set to {level}\n"),
-                )
-            }
-            Err(e) => reply(
-                StatusCode::BAD_REQUEST,
-                "text/plain",
-                format!("invalid log filter {level:?}: {e}\n"),
-            ),
-        },
-        None => reply(
+        .find_map(|kv| kv.strip_prefix("level="))
+    else {
+        return reply(
             StatusCode::BAD_REQUEST,
             "text/plain",
             "usage: /logging?level=<filter>\n",
-        ),
+        );
+    };
+    let refused = |reason: String| {
+        tracing::warn!(filter = %raw, %reason, "log filter change refused");
+        reply(
+            StatusCode::BAD_REQUEST,
+            "text/plain",
+            format!("invalid log filter {raw:?}: {reason}\n"),
+        )
+    };
+    let filter = match log_filter::url_decode(raw).and_then(|f| log_filter::complete(&f)) {
+        Ok(filter) => filter,
+        Err(e) => return refused(e.to_string()),
+    };
+    match (state.log_control)(&filter) {
+        Ok(()) => {
+            tracing::info!(%filter, "log filter changed");
+            reply(
+                StatusCode::OK,
+                "text/plain",
+                format!("log filter set to {filter}\n"),
+            )
+        }
+        Err(e) => refused(e),
     }
 }
 
@@ -246,7 +278,6 @@ fn refresh_gauges(state: &AdminState) {
     let shared = state.registry.shared();
     m.pool_connections
         .set(shared.pool.open_connections() as i64);
-    m.handshakes.set(shared.pool.handshakes() as i64);
     m.pool_reused.set(shared.pool.reused() as i64);
     for cert in shared.certs.dump() {
         let labels = crate::telemetry::metrics::CertLabels {

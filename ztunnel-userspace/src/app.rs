@@ -78,6 +78,8 @@ pub struct Settings {
     pub drain_timeout: Duration,
     /// Limits on each phase where a peer can stall a connection.
     pub timeouts: crate::timeouts::Timeouts,
+    /// Limits on connections, handshakes and enrolment clients.
+    pub limits: crate::limits::Limits,
 }
 
 /// Where workload certificates come from.
@@ -162,6 +164,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     base.trust_domain.clone_from(&trust_domain);
     let state = StateHandle::new(MeshState::new(base));
     let metrics = crate::telemetry::Metrics::new();
+    let limits = crate::limits::NodeLimits::new(settings.limits, Arc::clone(&metrics));
     let shared = Shared {
         state: state.clone(),
         connections: Arc::default(),
@@ -178,6 +181,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         metrics,
         draining: Arc::new(tokio::sync::watch::channel(false).0),
         timeouts: settings.timeouts,
+        limits,
     };
 
     let pins = PinRoot::prepare(&settings.bpffs)?;

@@ -8,7 +8,10 @@
 //!   ([`netns`] enters it), and reads the kernel counters.
 //! - The kernel programs steer an enrolled pod's connections onto ztunnel's
 //!   listeners inside that pod; the proxy (later issues) carries them.
+//! - [`accept`] is the one accept loop of every listener (back-off on
+//!   resource errors) and admits connections against [`limits`].
 
+pub mod accept;
 pub mod admin;
 pub mod app;
 pub mod bpffs;
@@ -17,6 +20,7 @@ pub mod cgroup;
 pub mod enrol;
 pub mod hbone;
 pub mod identity;
+pub mod limits;
 pub mod loader;
 pub mod memory;
 pub mod netns;

@@ -13,7 +13,7 @@ use ztunnel::{
         self, AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, WorkloadInfo, WorkloadRequest,
         workload_request::Payload,
     },
-    probe, timeouts,
+    limits, probe, timeouts,
 };
 
 /// Default pin folder on bpffs.
@@ -30,6 +30,9 @@ const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ztunnel";
 )]
 struct Cli {
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `ztunnel=debug`.
+    /// Every directive needs a level; a filter without a default level gets
+    /// `info` for the rest, and the access log (target `access`) stays on
+    /// unless named (`warn,access=off`).
     #[arg(long, env = "ZTUNNEL_LOG", default_value = "info", global = true)]
     log: String,
     /// Log line format.
@@ -179,11 +182,34 @@ struct RunArgs {
     /// greeting and request before the connection is closed.
     #[arg(long, env = "ZTUNNEL_SOCKS5_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_SOCKS5))]
     socks5_timeout_ms: u64,
+    /// Open connections one pod may have on its listeners (15001, 15006,
+    /// 15008, 15080); a new one beyond it is reset at once, counted in
+    /// ztunnel_limit_reached_total{limit="pod_connections"} and logged.
+    #[arg(long, env = "ZTUNNEL_MAX_CONNECTIONS_PER_POD", value_parser = at_least_one(), default_value_t = limits::DEFAULT_CONNECTIONS_PER_POD as u64)]
+    max_connections_per_pod: u64,
+    /// Open connections on all pods' listeners of this node together
+    /// (limit="node_connections").
+    #[arg(long, env = "ZTUNNEL_MAX_CONNECTIONS_PER_NODE", value_parser = at_least_one(), default_value_t = limits::DEFAULT_CONNECTIONS_PER_NODE as u64)]
+    max_connections_per_node: u64,
+    /// HBONE connections (port 15008, all pods) in their TLS or HTTP/2
+    /// handshake at once; one more is reset at once
+    /// (limit="hbone_handshakes").
+    #[arg(long, env = "ZTUNNEL_MAX_HBONE_HANDSHAKES", value_parser = at_least_one(), default_value_t = limits::DEFAULT_HBONE_HANDSHAKES as u64)]
+    max_hbone_handshakes: u64,
+    /// Clients connected to the enrolment socket at once; one more is
+    /// answered with an error and closed (limit="enrol_clients").
+    #[arg(long, env = "ZTUNNEL_MAX_ENROL_CLIENTS", value_parser = at_least_one(), default_value_t = limits::DEFAULT_ENROL_CLIENTS as u64)]
+    max_enrol_clients: u64,
 }
 
 /// A duration as whole milliseconds (for flag defaults).
 const fn millis(d: Duration) -> u64 {
     d.as_millis() as u64
+}
+
+/// Limits are at least one: zero would refuse everything.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::value_parser!(u64).range(1..)
 }
 
 /// Timeouts are at least one millisecond: zero would fail every connection.
@@ -269,8 +295,12 @@ fn main() -> Result<()> {
 /// filter, and returns the handle the admin `/logging` endpoint uses.
 fn init_logging(filter: &str, format: LogFormat) -> Result<ztunnel::admin::LogControl> {
     use tracing_subscriber::{fmt, prelude::*, reload};
+    // The same rules as `/logging`: no bare words, a default level, and the
+    // access log only off when named.
+    let filter = ztunnel::telemetry::log_filter::complete(filter)
+        .map_err(|e| anyhow::anyhow!("invalid --log filter: {e}"))?;
     let (filter, handle) =
-        reload::Layer::new(EnvFilter::try_new(filter).context("invalid --log filter")?);
+        reload::Layer::new(EnvFilter::try_new(&filter).context("invalid --log filter")?);
     let text = (format == LogFormat::Text).then(|| fmt::layer().with_writer(std::io::stderr));
     let json = (format == LogFormat::Json).then(|| {
         fmt::layer()
@@ -334,6 +364,14 @@ fn settings(args: RunArgs) -> app::Settings {
             connect_response: Duration::from_millis(args.connect_response_timeout_ms),
             socks5: Duration::from_millis(args.socks5_timeout_ms),
         },
+        limits: limits::Limits {
+            connections_per_pod: usize::try_from(args.max_connections_per_pod)
+                .unwrap_or(usize::MAX),
+            connections_per_node: usize::try_from(args.max_connections_per_node)
+                .unwrap_or(usize::MAX),
+            hbone_handshakes: usize::try_from(args.max_hbone_handshakes).unwrap_or(usize::MAX),
+            enrol_clients: usize::try_from(args.max_enrol_clients).unwrap_or(usize::MAX),
+        },
     }
 }
 
@@ -346,9 +384,10 @@ fn enrol(args: EnrolArgs) -> Result<()> {
             namespace,
             service_account,
         } => {
-            let fd: std::os::fd::OwnedFd = std::fs::File::open(&netns)
-                .with_context(|| format!("cannot open network namespace {}", netns.display()))?
-                .into();
+            // Checked here so that a wrong path is named as given, with
+            // what it is, before anything is sent to the daemon.
+            let netns = ztunnel::netns::PodNetns::open(&netns)?;
+            let fd: std::os::fd::OwnedFd = std::os::fd::AsFd::as_fd(&netns).try_clone_to_owned()?;
             let info = WorkloadInfo {
                 name: name.unwrap_or_else(|| uid.clone()),
                 namespace,

@@ -35,6 +35,15 @@ pub enum NetnsError {
         /// The OS error.
         source: nix::Error,
     },
+    /// The path or fd is something else than a network namespace (a
+    /// regular file, a directory, another kind of namespace).
+    #[error("{name} is not a network namespace: it is {what}")]
+    NotNetns {
+        /// The path given, or the name the fd came with.
+        name: String,
+        /// What it is instead.
+        what: String,
+    },
     /// The worker thread died.
     #[error("the thread working inside network namespace {0} panicked")]
     ThreadPanicked(String),
@@ -56,16 +65,28 @@ pub struct PodNetns {
 }
 
 impl PodNetns {
-    /// Opens a namespace by path (e.g. `/var/run/netns/pod-a`).
+    /// Opens a namespace by path (e.g. `/var/run/netns/pod-a`); a path
+    /// that is not a network namespace is refused, named.
     pub fn open(path: &Path) -> Result<Self, NetnsError> {
         let file = File::open(path).map_err(|source| NetnsError::Open {
             path: path.to_path_buf(),
             source,
         })?;
+        let name = path.display().to_string();
+        check_netns(file.as_fd(), &name)?;
         Ok(Self {
-            name: path.display().to_string(),
+            name,
             fd: file.into(),
         })
+    }
+
+    /// Like [`Self::from_fd`], but refuses an fd that is not a network
+    /// namespace (checked before anything tries to enter it, so the error
+    /// names what was sent instead of a failing step further on).
+    pub fn checked_from_fd(name: impl Into<String>, fd: OwnedFd) -> Result<Self, NetnsError> {
+        let name = name.into();
+        check_netns(fd.as_fd(), &name)?;
+        Ok(Self { name, fd })
     }
 
     /// Wraps a namespace fd received from elsewhere (e.g. over `SCM_RIGHTS`).
@@ -166,6 +187,44 @@ impl AsFd for PodNetns {
     }
 }
 
+/// `NS_GET_NSTYPE` (`_IO(0xb7, 0x3)`, Linux 4.11+): the `CLONE_NEW*` type
+/// of a namespace fd; other fds fail with `ENOTTY`.
+const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+
+/// Checks that `fd` is a network namespace; otherwise says what it is.
+pub fn check_netns(fd: std::os::fd::BorrowedFd<'_>, name: &str) -> Result<(), NetnsError> {
+    // SAFETY: an ioctl without an argument on a valid fd.
+    let kind = unsafe { libc::ioctl(fd.as_raw_fd(), NS_GET_NSTYPE as _) };
+    if kind == libc::CLONE_NEWNET {
+        return Ok(());
+    }
+    let what = if kind >= 0 {
+        "a namespace of another type".to_owned()
+    } else {
+        describe_file(fd)
+    };
+    Err(NetnsError::NotNetns {
+        name: name.to_owned(),
+        what,
+    })
+}
+
+/// "a regular file", "a directory", ... for an fd that is no namespace.
+fn describe_file(fd: std::os::fd::BorrowedFd<'_>) -> String {
+    let Ok(stat) = nix::sys::stat::fstat(fd) else {
+        return "not a namespace".to_owned();
+    };
+    match stat.st_mode & libc::S_IFMT {
+        libc::S_IFREG => "a regular file",
+        libc::S_IFDIR => "a directory",
+        libc::S_IFCHR | libc::S_IFBLK => "a device",
+        libc::S_IFIFO => "a pipe",
+        libc::S_IFSOCK => "a socket",
+        _ => "not a namespace",
+    }
+    .to_owned()
+}
+
 /// `SO_NETNS_COOKIE` (Linux 5.14+): the cookie of the namespace a socket
 /// lives in.
 pub fn socket_netns_cookie(sock: &impl AsRawFd) -> io::Result<u64> {
@@ -186,5 +245,27 @@ pub fn socket_netns_cookie(sock: &impl AsRawFd) -> io::Result<u64> {
         Ok(cookie)
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_that_is_not_a_network_namespace_is_named_with_what_it_is() {
+        let e = PodNetns::open(Path::new("/etc/passwd")).expect_err("a file");
+        assert_eq!(
+            e.to_string(),
+            "/etc/passwd is not a network namespace: it is a regular file"
+        );
+        let e = PodNetns::open(Path::new("/")).expect_err("a directory");
+        assert_eq!(
+            e.to_string(),
+            "/ is not a network namespace: it is a directory"
+        );
+        let e = PodNetns::open(Path::new("/proc/self/ns/uts")).expect_err("uts");
+        assert!(e.to_string().contains("another type"), "{e}");
+        PodNetns::open(Path::new("/proc/self/ns/net")).expect("our own netns");
     }
 }

@@ -7,7 +7,9 @@
 //! exactly the returned `ip:port`, on the arrival address and not on one of
 //! ztunnel's own ports; every refusal maps to 400 or 503; headers never
 //! change the decision; a request built the way the HBONE client builds it
-//! is accepted for exactly its target.
+//! is accepted for exactly its target. The service hint read from
+//! `forwarded` (`forwarded_host`, for metrics only) never panics, is one
+//! non-empty parameter value, and is exactly the host the client wrote.
 
 #![no_main]
 
@@ -19,7 +21,7 @@ use libfuzzer_sys::{
     arbitrary::{self, Arbitrary},
     fuzz_target,
 };
-use ztunnel::hbone::server::{ConnectRefusal, connect_target};
+use ztunnel::hbone::server::{ConnectRefusal, connect_target, forwarded_host};
 use ztunnel_common::{INBOUND_HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, SOCKS5_PORT};
 
 #[derive(Debug, Arbitrary)]
@@ -130,6 +132,9 @@ fuzz_target!(|input: Input| {
     // Whatever the client claims in headers changes nothing.
     if let Some(with_headers) = request(&input, true) {
         assert_eq!(connect_target(&with_headers, local), decision);
+        if let Some(host) = forwarded_host(&with_headers) {
+            assert!(!host.is_empty() && !host.contains([',', ';']), "{host:?}");
+        }
     }
     // The HBONE client (hbone::pool) writes the URI as `target.to_string()`
     // and adds `forwarded`; the server must take exactly that target back.
@@ -138,9 +143,16 @@ fuzz_target!(|input: Input| {
         let client = Request::builder()
             .method(Method::CONNECT)
             .uri(target.to_string())
-            .header("forwarded", format!("for=\"{local}\""))
+            .header(
+                "forwarded",
+                format!("for=\"{local}\";host=web.test.svc.cluster.local"),
+            )
             .body(())
             .expect("the client's request builds");
+        assert_eq!(
+            forwarded_host(&client).as_deref(),
+            Some("web.test.svc.cluster.local")
+        );
         let expected = if own_port(*port) {
             Err(ConnectRefusal::OwnPort(target))
         } else {

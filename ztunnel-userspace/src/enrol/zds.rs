@@ -30,7 +30,11 @@ use nix::sys::socket::{
 use prost::Message as _;
 
 use super::{EnrolRequest, PodRegistry, Source};
-use crate::{netns::PodNetns, state::CaptureOptOut};
+use crate::{
+    accept::{AcceptErrors, ListenerKind},
+    netns::PodNetns,
+    state::CaptureOptOut,
+};
 
 /// Default path of the enrolment socket.
 pub const DEFAULT_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
@@ -225,25 +229,41 @@ pub fn serve(path: &Path, registry: Arc<PodRegistry>) -> Result<SocketFile, ZdsE
         id: SocketFile::identify(path),
     };
     listen(&fd, Backlog::new(64).map_err(sock_err)?).map_err(sock_err)?;
-    let label = path.display().to_string();
+    let limits = Arc::clone(&registry.shared().limits);
+    let mut errors = AcceptErrors::new(
+        ListenerKind::Enrolment,
+        None,
+        Arc::clone(&registry.shared().metrics),
+    );
     std::thread::Builder::new()
         .name("enrol-accept".into())
         .spawn(move || {
             loop {
-                match accept(fd.as_raw_fd()) {
+                let client = match accept(fd.as_raw_fd()) {
                     Ok(client) => {
+                        errors.succeeded();
                         // SAFETY: accept returned a fresh fd that we own.
-                        let client = unsafe { OwnedFd::from_raw_fd(client) };
-                        let registry = Arc::clone(&registry);
-                        let _ = std::thread::Builder::new()
-                            .name("enrol-client".into())
-                            .spawn(move || serve_client(&client, &registry));
+                        unsafe { OwnedFd::from_raw_fd(client) }
                     }
                     Err(e) => {
-                        tracing::warn!(socket = %label, error = %e, "enrolment accept failed");
-                        std::thread::sleep(std::time::Duration::from_millis(100));
+                        if let Some(wait) = errors.failed(Some(e as i32), &e) {
+                            std::thread::sleep(wait);
+                        }
+                        continue;
                     }
-                }
+                };
+                // Counted and logged by the limit; the client is told why.
+                let Some(place) = limits.enrol_client() else {
+                    refuse_client(&client, limits.limits().enrol_clients);
+                    continue;
+                };
+                let registry = Arc::clone(&registry);
+                let _ = std::thread::Builder::new()
+                    .name("enrol-client".into())
+                    .spawn(move || {
+                        let _place = place;
+                        serve_client(&client, &registry);
+                    });
             }
         })
         .map_err(|e| ZdsError::Dir {
@@ -251,6 +271,29 @@ pub fn serve(path: &Path, registry: Arc<PodRegistry>) -> Result<SocketFile, ZdsE
             source: e,
         })?;
     Ok(file)
+}
+
+/// Answers a client over the limit with an `ack` saying why (it reads it
+/// as the answer to its first request), then closes the connection. The
+/// send never blocks the accept thread: an answer that does not fit in the
+/// socket buffer (a client flooding us) is dropped, the close still says
+/// enough.
+fn refuse_client(client: &OwnedFd, max: usize) {
+    let response = WorkloadResponse {
+        payload: Some(workload_response::Payload::Ack(Ack {
+            error: format!(
+                "too many enrolment clients ({max} connected, --max-enrol-clients): try again later"
+            ),
+        })),
+    };
+    let payload = response.encode_to_vec();
+    let _ = sendmsg::<()>(
+        client.as_raw_fd(),
+        &[IoSlice::new(&payload)],
+        &[],
+        MsgFlags::MSG_DONTWAIT,
+        None,
+    );
 }
 
 /// One received packet and the fd that came with it, if any.
@@ -350,11 +393,15 @@ fn handle(
                         add.uid
                     )
                 })?;
+            // Checked before anything enters it, so that the error names
+            // what was sent (a file, another namespace type).
+            let netns =
+                PodNetns::checked_from_fd(name, fd).map_err(|e| format!("add {}: {e}", add.uid))?;
             seen.insert(add.uid.clone());
             registry
                 .enrol(EnrolRequest {
                     uid: add.uid,
-                    netns: PodNetns::from_fd(name, fd),
+                    netns,
                     capture: CaptureOptOut::default(),
                     identity,
                     source: Source::Socket,
@@ -450,6 +497,18 @@ fn workload_info(add: &AddWorkload) -> Result<&WorkloadInfo, String> {
     }
 }
 
+/// Receives the daemon's answer. A daemon that refused us (too many
+/// clients) answers and closes; if our request was still unread then,
+/// Linux reports `ECONNRESET` on the first receive, ahead of the answer
+/// still queued behind it (the error is consumed by that receive), so the
+/// answer is read with a second one.
+fn receive_answer(fd: RawFd) -> Result<Option<Packet>, nix::Error> {
+    match receive(fd) {
+        Err(nix::Error::ECONNRESET) => receive(fd),
+        other => other,
+    }
+}
+
 /// Client side (used by `ztunnel enrol`): sends requests in order on one
 /// connection and returns the first refusal, if any.
 pub fn request(
@@ -469,13 +528,26 @@ pub fn request(
     .map_err(sock_err)?;
     connect(fd.as_raw_fd(), &UnixAddr::new(path).map_err(sock_err)?).map_err(sock_err)?;
     for (req, pass) in requests {
-        send(
+        let sent = send(
             fd.as_raw_fd(),
             &req.encode_to_vec(),
             pass.as_ref().map(AsRawFd::as_raw_fd),
-        )
-        .map_err(sock_err)?;
-        let (bytes, _) = receive(fd.as_raw_fd())
+        );
+        // A daemon that refused us (too many clients) answered and closed
+        // before our request went out: its answer is still there to read,
+        // and says more than EPIPE.
+        if let Err(e) = sent {
+            return match receive_answer(fd.as_raw_fd()) {
+                Ok(Some((bytes, _))) => match WorkloadResponse::decode(bytes.as_slice())?.payload {
+                    Some(workload_response::Payload::Ack(ack)) if !ack.error.is_empty() => {
+                        Err(ZdsError::Refused(ack.error))
+                    }
+                    _ => Err(sock_err(e)),
+                },
+                _ => Err(sock_err(e)),
+            };
+        }
+        let (bytes, _) = receive_answer(fd.as_raw_fd())
             .map_err(sock_err)?
             .ok_or(ZdsError::Closed)?;
         let response = WorkloadResponse::decode(bytes.as_slice())?;

@@ -25,7 +25,10 @@ use super::{
 use crate::{
     identity::{CertManager, Identity},
     proxy::socket_factory::SocketFactory,
-    telemetry::Metrics,
+    telemetry::{
+        Metrics,
+        metrics::{HandshakeOutcome, HandshakeSide},
+    },
     timeouts::{Phase, Timeouts, within},
 };
 
@@ -236,13 +239,16 @@ impl HbonePool {
 
     /// Opens a `CONNECT` stream to `target` through the destination pod's
     /// HBONE port, on a pooled connection for `key` (opening one if none
-    /// has room). `client` goes into the `forwarded` header.
+    /// has room). `client` goes into the `forwarded` header, and so does
+    /// `service` (the hostname of the service the application addressed,
+    /// as `host=`, the way Istio's ztunnel tells the destination).
     pub async fn connect(
         &self,
         key: PoolKey,
         sockets: &SocketFactory,
         target: SocketAddr,
         client: SocketAddr,
+        service: Option<&str>,
     ) -> Result<Tunnel, HboneError> {
         let slot = {
             let mut slots = self
@@ -269,7 +275,7 @@ impl HbonePool {
             let request = Request::builder()
                 .method(Method::CONNECT)
                 .uri(target.to_string())
-                .header("forwarded", format!("for=\"{client}\""))
+                .header("forwarded", forwarded(client, service))
                 .body(())?;
             // Waits for the peer to allow one more stream.
             let ready = conn.send.clone().ready();
@@ -407,18 +413,31 @@ impl HbonePool {
             crate::tls::client_config(&self.certs, &key.src, vec![key.dst_identity.clone()])?;
         let handshake =
             TlsConnector::from(config).connect(ServerName::IpAddress(peer.ip().into()), tcp);
-        let tls = within(
+        let count = |outcome| metrics.handshake(HandshakeSide::Client, outcome);
+        let tls = match within(
             Phase::TlsHandshake,
             timeouts.tls_handshake,
             peer,
             metrics,
             handshake,
         )
-        .await?
-        .map_err(|source| HboneError::Tls { peer, source })?;
+        .await
+        {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(source)) => {
+                count(HandshakeOutcome::Failed);
+                return Err(HboneError::Tls { peer, source });
+            }
+            Err(timed_out) => {
+                count(HandshakeOutcome::Timeout);
+                return Err(timed_out.into());
+            }
+        };
         if tls.get_ref().1.alpn_protocol() != Some(crate::tls::ALPN_H2) {
+            count(HandshakeOutcome::Failed);
             return Err(HboneError::NoAlpn(peer));
         }
+        count(HandshakeOutcome::Ok);
         self.handshakes.fetch_add(1, Ordering::Relaxed);
         let handshake = h2::client::Builder::new()
             .initial_window_size(STREAM_WINDOW)
@@ -502,7 +521,44 @@ async fn drive(
     tracing::info!(connection = pooled.id, %peer, %reason, "HBONE connection closed");
 }
 
+/// The `forwarded` header of a `CONNECT` (RFC 7239): the application's
+/// address, and the service it addressed when it went to a VIP. A
+/// hostname with characters a token may not hold is left out rather than
+/// quoted: the config is ours, but a header that fails to build would fail
+/// the connection.
+fn forwarded(client: SocketAddr, service: Option<&str>) -> String {
+    let token = |h: &&str| {
+        !h.is_empty()
+            && h.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+    };
+    match service.filter(token) {
+        Some(host) => format!("for=\"{client}\";host={host}"),
+        None => format!("for=\"{client}\""),
+    }
+}
+
 /// The well-known HBONE address of a pod.
 pub fn hbone_addr(pod_ip: IpAddr) -> SocketAddr {
     SocketAddr::new(pod_ip, INBOUND_HBONE_PORT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_forwarded_header_names_the_service_when_it_can() {
+        let client: SocketAddr = "10.0.0.9:4000".parse().expect("addr");
+        assert_eq!(
+            forwarded(client, Some("web.test.svc.cluster.local")),
+            "for=\"10.0.0.9:4000\";host=web.test.svc.cluster.local"
+        );
+        assert_eq!(forwarded(client, None), "for=\"10.0.0.9:4000\"");
+        // Not a token: left out rather than breaking the header.
+        assert_eq!(
+            forwarded(client, Some("we b;x=\"y\"")),
+            "for=\"10.0.0.9:4000\""
+        );
+    }
 }

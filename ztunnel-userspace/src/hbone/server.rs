@@ -32,11 +32,14 @@ use tracing::Instrument as _;
 
 use super::{CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW};
 use crate::{
+    accept::{AcceptLoop, ListenerKind},
     identity::{Identity, identity_of},
+    limits::Slot,
     proxy::{
         connections::InboundConnection, is_own_port, next_connection_id,
         socket_factory::SocketFactory,
     },
+    telemetry::metrics::{HandshakeOutcome, HandshakeSide},
     timeouts::{Phase, TimedOut, within},
 };
 
@@ -63,29 +66,38 @@ impl std::fmt::Debug for HboneServer {
     }
 }
 
-/// Accepts HBONE connections forever (until the task is aborted).
+/// Accepts HBONE connections forever (until the task is aborted). A
+/// connection that finds every handshake place of the node taken
+/// (`--max-hbone-handshakes`) is reset at once.
 pub async fn serve(listener: TcpListener, server: HboneServer) {
     let acceptor = TlsAcceptor::from(Arc::clone(&server.tls));
-    loop {
-        let (tcp, peer) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(pod = %server.pod, error = %e, "HBONE accept failed");
-                continue;
-            }
-        };
-        let acceptor = acceptor.clone();
-        let server = server.clone();
-        tokio::spawn(async move {
-            match connection(tcp, peer, acceptor, &server).await {
-                // Logged (with the phase) and counted where it happened.
-                Ok(()) | Err(ServerError::TimedOut(_)) => {}
-                Err(ServerError::Rejected(e)) => {
-                    tracing::warn!(pod = %server.pod, %peer, error = %e, "HBONE connection rejected");
+    let pod_limit = server.shared.limits.pod(&server.pod);
+    let accept = AcceptLoop::pod(
+        ListenerKind::Hbone,
+        Arc::clone(&pod_limit),
+        Arc::clone(&server.shared.metrics),
+    );
+    accept
+        .run(listener, |tcp, peer| {
+            // Counted and logged by the limit; reset like every refusal
+            // of the accept loop.
+            let Some(handshake) = pod_limit.handshake() else {
+                let _ = tcp.set_zero_linger();
+                return None;
+            };
+            let acceptor = acceptor.clone();
+            let server = server.clone();
+            Some(async move {
+                match connection(tcp, peer, acceptor, &server, handshake).await {
+                    // Logged (with the phase) and counted where it happened.
+                    Ok(()) | Err(ServerError::TimedOut(_)) => {}
+                    Err(ServerError::Rejected(e)) => {
+                        tracing::warn!(pod = %server.pod, %peer, error = %e, "HBONE connection rejected");
+                    }
                 }
-            }
-        });
-    }
+            })
+        })
+        .await;
 }
 
 /// Why an HBONE connection ended before or between its streams.
@@ -111,33 +123,51 @@ impl From<&str> for ServerError {
     }
 }
 
+/// One HBONE connection. `handshake` is its place among the node's
+/// handshakes in progress, given back once TLS and HTTP/2 are done.
 async fn connection(
     tcp: TcpStream,
     peer: SocketAddr,
     acceptor: TlsAcceptor,
     server: &HboneServer,
+    handshake_place: Slot,
 ) -> Result<(), ServerError> {
     let local = tcp.local_addr().map_err(|e| e.to_string())?;
     tcp.set_nodelay(true).map_err(|e| e.to_string())?;
     let timeouts = server.shared.timeouts;
     let metrics = &server.shared.metrics;
+    let count = |outcome| metrics.handshake(HandshakeSide::Server, outcome);
     // Dropping the handshake on expiry closes the socket.
-    let tls = within(
+    let tls = match within(
         Phase::TlsHandshake,
         timeouts.tls_handshake,
         peer,
         metrics,
         acceptor.accept(tcp),
     )
-    .await?
-    .map_err(|e| format!("TLS handshake failed (not an HBONE client?): {e}"))?;
-    let peer_identity = tls
+    .await
+    {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            count(HandshakeOutcome::Failed);
+            return Err(format!("TLS handshake failed (not an HBONE client?): {e}").into());
+        }
+        Err(timed_out) => {
+            count(HandshakeOutcome::Timeout);
+            return Err(timed_out.into());
+        }
+    };
+    let Some(peer_identity) = tls
         .get_ref()
         .1
         .peer_certificates()
         .and_then(|c| c.first())
         .and_then(|c| identity_of(c))
-        .ok_or("client presented no SPIFFE identity")?;
+    else {
+        count(HandshakeOutcome::Failed);
+        return Err("client presented no SPIFFE identity".into());
+    };
+    count(HandshakeOutcome::Ok);
     let handshake = h2::server::Builder::new()
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
@@ -153,6 +183,7 @@ async fn connection(
     )
     .await?
     .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+    drop(handshake_place);
     tracing::debug!(pod = %server.pod, %peer, peer_identity = %peer_identity, "HBONE connection accepted");
     let mut draining = server.shared.draining.subscribe();
     let mut goaway_sent = false;
@@ -249,6 +280,27 @@ pub fn connect_target<B>(
     Ok(target)
 }
 
+/// The `host` parameter of a `CONNECT`'s `Forwarded` header (RFC 7239):
+/// the hostname of the service the client addressed, which Istio's ztunnel
+/// sends when the connection went to a service VIP (the `:authority` must
+/// be the pod's own address, so the VIP is lost there). Only the first
+/// element is read; quotes are removed.
+pub fn forwarded_host<B>(request: &Request<B>) -> Option<String> {
+    let value = request
+        .headers()
+        .get(http::header::FORWARDED)?
+        .to_str()
+        .ok()?;
+    let first = value.split(',').next()?;
+    first.split(';').find_map(|pair| {
+        let (key, value) = pair.trim().split_once('=')?;
+        key.trim()
+            .eq_ignore_ascii_case("host")
+            .then(|| value.trim().trim_matches('"').to_owned())
+            .filter(|host| !host.is_empty())
+    })
+}
+
 fn refuse(mut respond: SendResponse<Bytes>, status: StatusCode, reason: &str) {
     tracing::info!(status = status.as_u16(), %reason, result = "refused", "inbound HBONE stream refused");
     let response = Response::builder()
@@ -287,6 +339,15 @@ async fn stream(
         path: "hbone",
     });
     let state = server.shared.state.current();
+    // For the metrics only: the client may name the service it addressed,
+    // but only one this pod is behind is believed (`inbound_service`).
+    let service = state
+        .inbound_service(
+            &server.pod,
+            target.port(),
+            forwarded_host(&request).as_deref(),
+        )
+        .map(|s| s.name.clone());
     let mut src = state.endpoint(peer);
     src.identity = Some(peer_identity.to_string());
     let mut dst = state.endpoint(target);
@@ -344,7 +405,7 @@ async fn stream(
         "hbone",
         src,
         dst,
-        None,
+        service.as_deref(),
     );
     // tcp_to_h2 counts (app -> stream, stream -> app); for the record the
     // client is the remote peer: sent = from the client, received = to it.
@@ -368,6 +429,31 @@ mod tests {
             .header("forwarded", "for=\"10.9.9.9\"")
             .body(())
             .expect("request")
+    }
+
+    #[test]
+    fn the_forwarded_host_is_the_service_the_client_named() {
+        let with = |value: &str| {
+            Request::builder()
+                .method(Method::CONNECT)
+                .uri("10.0.0.1:8080")
+                .header("forwarded", value)
+                .body(())
+                .expect("request")
+        };
+        assert_eq!(
+            forwarded_host(&with(
+                "for=\"10.0.0.9:4000\";host=web.test.svc.cluster.local"
+            )),
+            Some("web.test.svc.cluster.local".into())
+        );
+        assert_eq!(
+            forwarded_host(&with("Host=\"web.test.svc.cluster.local\"; for=x")),
+            Some("web.test.svc.cluster.local".into())
+        );
+        assert_eq!(forwarded_host(&with("for=\"10.0.0.9:4000\"")), None);
+        assert_eq!(forwarded_host(&with("for=a, host=second")), None);
+        assert_eq!(forwarded_host(&connect("10.0.0.1:8080")), None);
     }
 
     #[test]

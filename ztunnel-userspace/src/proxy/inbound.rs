@@ -13,6 +13,8 @@ use std::net::SocketAddr;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 
+use crate::accept::{AcceptLoop, ListenerKind};
+
 use super::{
     PodContext, ProxyError, connect_within, connections::InboundConnection, is_own_port,
     next_connection_id, relay, socket_factory::SocketFactory,
@@ -48,41 +50,41 @@ impl InboundContext {
 
 /// Accepts plaintext inbound connections forever.
 pub async fn serve_plaintext(listener: TcpListener, ctx: InboundContext) {
-    loop {
-        let (stream, client) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(pod = %ctx.pod, error = %e, "inbound accept failed");
-                continue;
-            }
-        };
-        // eBPF capture: the socket was assigned with the original 4-tuple,
-        // so its local address is the destination. iptables: REDIRECT
-        // rewrote it; ask conntrack.
-        let dst = if ctx.orig_dst_sockopt {
-            crate::capture::iptables::original_dst(&stream, client.is_ipv6())
-        } else {
-            stream.local_addr()
-        };
-        let id = next_connection_id();
-        let span = tracing::info_span!("conn", id, pod = %ctx.pod, direction = "inbound", src = %client, dst = tracing::field::Empty);
-        let ctx = ctx.clone();
-        tokio::spawn(
-            async move {
-                let result = match dst {
-                    Ok(dst) => {
-                        tracing::Span::current().record("dst", tracing::field::display(dst));
-                        plaintext(stream, client, dst, &ctx).await
+    let accept = AcceptLoop::pod(
+        ListenerKind::InboundPlaintext,
+        ctx.shared.limits.pod(&ctx.pod),
+        std::sync::Arc::clone(&ctx.shared.metrics),
+    );
+    accept
+        .run(listener, |stream, client| {
+            // eBPF capture: the socket was assigned with the original
+            // 4-tuple, so its local address is the destination. iptables:
+            // REDIRECT rewrote it; ask conntrack.
+            let dst = if ctx.orig_dst_sockopt {
+                crate::capture::iptables::original_dst(&stream, client.is_ipv6())
+            } else {
+                stream.local_addr()
+            };
+            let id = next_connection_id();
+            let span = tracing::info_span!("conn", id, pod = %ctx.pod, direction = "inbound", src = %client, dst = tracing::field::Empty);
+            let ctx = ctx.clone();
+            Some(
+                async move {
+                    let result = match dst {
+                        Ok(dst) => {
+                            tracing::Span::current().record("dst", tracing::field::display(dst));
+                            plaintext(stream, client, dst, &ctx).await
+                        }
+                        Err(e) => Err(e.into()),
+                    };
+                    if let Err(e) = result {
+                        tracing::warn!(error = %e, "inbound connection failed");
                     }
-                    Err(e) => Err(e.into()),
-                };
-                if let Err(e) = result {
-                    tracing::warn!(error = %e, "inbound connection failed");
                 }
-            }
-            .instrument(span),
-        );
-    }
+                .instrument(span),
+            )
+        })
+        .await;
 }
 
 async fn plaintext(
@@ -105,6 +107,9 @@ async fn plaintext(
         path: "plaintext",
     });
     let state = ctx.shared.state.current();
+    let service = state
+        .inbound_service(&ctx.pod, dst.port(), None)
+        .map(|s| s.name.clone());
     let src = state.endpoint(client);
     let mut dst_end = state.endpoint(dst);
     dst_end.identity = Some(ctx.identity.to_string());
@@ -143,7 +148,7 @@ async fn plaintext(
         "plaintext",
         src,
         dst_end,
-        None,
+        service.as_deref(),
     );
     relay(stream, upstream, record, Some(registration)).await
 }

@@ -57,6 +57,8 @@ pub struct Shared {
     pub local_pods: Option<Arc<std::sync::RwLock<HashMap<IpAddr, PodContext>>>>,
     /// Limits on each phase where a peer can stall a connection.
     pub timeouts: crate::timeouts::Timeouts,
+    /// Connection, handshake and enrolment-client limits and their counts.
+    pub limits: Arc<crate::limits::NodeLimits>,
 }
 
 impl Shared {

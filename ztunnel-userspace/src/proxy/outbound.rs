@@ -22,6 +22,7 @@ use super::{
     next_connection_id, relay,
 };
 use crate::{
+    accept::{AcceptLoop, ListenerKind},
     capture::maps::OrigDstTable,
     hbone::{
         copy,
@@ -44,47 +45,48 @@ pub struct OutboundContext {
 
 /// Accepts forever (until the task is aborted on pod removal).
 pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
-    loop {
-        let (stream, client) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(pod = %ctx.pod.uid, error = %e, "outbound accept failed");
-                continue;
-            }
-        };
-        let orig = if ctx.pod.orig_dst_sockopt {
-            crate::capture::iptables::original_dst(&stream, client.is_ipv6()).ok()
-        } else {
-            ctx.orig_dst
-                .lock()
-                .ok()
-                .and_then(|mut table| table.take_entry(ctx.pod.netns_cookie, client))
-        };
-        let id = next_connection_id();
-        let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", src = %client, dst = tracing::field::Empty);
-        let ctx = ctx.clone();
-        tokio::spawn(
-            async move {
-                let result = if let Some(dst) = orig {
-                    tracing::Span::current().record("dst", tracing::field::display(dst));
-                    handle(stream, dst, &ctx).await
-                } else {
-                    // No record: the connect hook or sock_ops could not store
-                    // one (map full, allocation failure) or the client closed
-                    // before we accepted. We cannot know where it was going,
-                    // and guessing would bypass the mesh: reset it so the
-                    // application sees a failure at once instead of a hang.
-                    let _ = stream.set_zero_linger();
-                    drop(stream);
-                    Err(ProxyError::NoOrigDst(client))
-                };
-                if let Err(e) = result {
-                    tracing::warn!(error = %e, result = "error", "outbound connection failed");
+    let accept = AcceptLoop::pod(
+        ListenerKind::Outbound,
+        ctx.shared.limits.pod(&ctx.pod.uid),
+        Arc::clone(&ctx.shared.metrics),
+    );
+    accept
+        .run(listener, |stream, client| {
+            let orig = if ctx.pod.orig_dst_sockopt {
+                crate::capture::iptables::original_dst(&stream, client.is_ipv6()).ok()
+            } else {
+                ctx.orig_dst
+                    .lock()
+                    .ok()
+                    .and_then(|mut table| table.take_entry(ctx.pod.netns_cookie, client))
+            };
+            let id = next_connection_id();
+            let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", src = %client, dst = tracing::field::Empty);
+            let ctx = ctx.clone();
+            Some(
+                async move {
+                    let result = if let Some(dst) = orig {
+                        tracing::Span::current().record("dst", tracing::field::display(dst));
+                        handle(stream, dst, &ctx).await
+                    } else {
+                        // No record: the connect hook or sock_ops could not
+                        // store one (map full, allocation failure) or the
+                        // client closed before we accepted. We cannot know
+                        // where it was going, and guessing would bypass the
+                        // mesh: reset it so the application sees a failure
+                        // at once instead of a hang.
+                        let _ = stream.set_zero_linger();
+                        drop(stream);
+                        Err(ProxyError::NoOrigDst(client))
+                    };
+                    if let Err(e) = result {
+                        tracing::warn!(error = %e, result = "error", "outbound connection failed");
+                    }
                 }
-            }
-            .instrument(span),
-        );
-    }
+                .instrument(span),
+            )
+        })
+        .await;
 }
 
 /// The other end of an outbound connection once it is open.
@@ -153,7 +155,9 @@ pub async fn open(
     ctx: &OutboundContext,
 ) -> Result<(Upstream, ConnectionRecord), ProxyError> {
     let state = ctx.shared.state.current();
-    let service = state.service_by_vip(dst.ip()).map(|s| s.name.clone());
+    let vip_service = state.service_by_vip(dst.ip());
+    let service = vip_service.map(|s| s.name.clone());
+    let service_host = vip_service.map(crate::state::service::Service::hostname);
     let route = state.route(dst);
     let metrics = &ctx.shared.metrics;
     match route {
@@ -256,7 +260,13 @@ pub async fn open(
             let tunnel = ctx
                 .shared
                 .pool
-                .connect(key, &ctx.pod.sockets, target, client)
+                .connect(
+                    key,
+                    &ctx.pod.sockets,
+                    target,
+                    client,
+                    service_host.as_deref(),
+                )
                 .await?;
             tracing::info!(
                 orig_dst = %dst,

@@ -20,6 +20,7 @@ use super::{
     outbound::{self, OutboundContext},
 };
 use crate::{
+    accept::{AcceptLoop, ListenerKind},
     hbone::HboneError,
     timeouts::{Phase, within},
 };
@@ -84,26 +85,26 @@ pub enum SocksError {
 
 /// Accepts SOCKS5 clients forever.
 pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
-    loop {
-        let (stream, client) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                tracing::warn!(pod = %ctx.pod.uid, error = %e, "SOCKS5 accept failed");
-                continue;
-            }
-        };
-        let id = next_connection_id();
-        let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", via = "socks5", src = %client, dst = tracing::field::Empty);
-        let ctx = ctx.clone();
-        tokio::spawn(
-            async move {
-                if let Err(e) = session(stream, &ctx).await {
-                    tracing::warn!(error = %e, result = "error", "SOCKS5 connection failed");
+    let accept = AcceptLoop::pod(
+        ListenerKind::Socks5,
+        ctx.shared.limits.pod(&ctx.pod.uid),
+        std::sync::Arc::clone(&ctx.shared.metrics),
+    );
+    accept
+        .run(listener, |stream, client| {
+            let id = next_connection_id();
+            let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", via = "socks5", src = %client, dst = tracing::field::Empty);
+            let ctx = ctx.clone();
+            Some(
+                async move {
+                    if let Err(e) = session(stream, &ctx).await {
+                        tracing::warn!(error = %e, result = "error", "SOCKS5 connection failed");
+                    }
                 }
-            }
-            .instrument(span),
-        );
-    }
+                .instrument(span),
+            )
+        })
+        .await;
 }
 
 async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), SocksError> {

@@ -256,6 +256,31 @@ impl MeshState {
         }
     }
 
+    /// The service a connection to the local pod `uid` on `port` was
+    /// addressed to, for the destination's metrics (the VIP itself never
+    /// reaches this node: the client's ztunnel picked the endpoint). Like
+    /// Istio's ztunnel: the service the client named (`named`, its
+    /// hostname) if the pod is behind it, so a client cannot make us report
+    /// any other; else the first service of the pod with `port` as a
+    /// target port; else none.
+    pub fn inbound_service(&self, uid: &str, port: u16, named: Option<&str>) -> Option<&Service> {
+        let mut of_pod = self
+            .config
+            .services
+            .iter()
+            .filter(|s| s.endpoints.iter().any(|e| e == uid));
+        if let Some(named) = named
+            && let Some(found) = of_pod.clone().find(|s| s.hostname() == named)
+        {
+            return Some(found);
+        }
+        of_pod.find(|s| {
+            s.ports
+                .iter()
+                .any(|p| p.target_port.unwrap_or(p.port) == port)
+        })
+    }
+
     /// The service named by a VIP, for logs and metrics.
     pub fn service_by_vip(&self, ip: IpAddr) -> Option<&Service> {
         self.by_vip.get(&ip).map(|i| &self.config.services[*i])
@@ -332,6 +357,31 @@ services:
         assert_eq!(s.route(x), Route::Passthrough { target: x });
         let strict = state("outboundTrafficPolicy: REGISTRY_ONLY\n");
         assert!(matches!(strict.route(x), Route::Deny { .. }));
+    }
+
+    fn name(svc: Option<&Service>) -> Option<&str> {
+        svc.map(|s| s.name.as_str())
+    }
+
+    #[test]
+    fn the_destination_reports_the_named_service_only_if_its_pod_is_behind_it() {
+        let s = state(
+            "  - {name: api, namespace: demo, vips: [10.96.0.2], ports: [{port: 80, targetPort: 8080}], endpoints: [b]}\n  - {name: other, namespace: demo, vips: [10.96.0.3], ports: [{port: 80}], endpoints: [c]}\n",
+        );
+
+        assert_eq!(
+            name(s.inbound_service("b", 8080, Some("api.demo.svc.cluster.local"))),
+            Some("api")
+        );
+        // Without a name (or with one the pod is not behind): the first
+        // service of the pod with that target port.
+        assert_eq!(name(s.inbound_service("b", 8080, None)), Some("web"));
+        assert_eq!(
+            name(s.inbound_service("b", 8080, Some("other.demo.svc.cluster.local"))),
+            Some("web")
+        );
+        assert_eq!(name(s.inbound_service("b", 9000, None)), None);
+        assert_eq!(name(s.inbound_service("c", 80, None)), Some("other"));
     }
 
     #[test]

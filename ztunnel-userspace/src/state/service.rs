@@ -32,7 +32,18 @@ pub struct Service {
     pub endpoints: Vec<String>,
 }
 
+/// The cluster's DNS domain, the suffix of service hostnames. Kubernetes'
+/// default; Istio's ztunnel names services by `name.namespace.svc.<domain>`
+/// on the wire (`Forwarded: host=`), so we use the same form.
+pub const CLUSTER_DOMAIN: &str = "cluster.local";
+
 impl Service {
+    /// `name.namespace.svc.cluster.local`: how a client names the service
+    /// to the destination's ztunnel.
+    pub fn hostname(&self) -> String {
+        format!("{}.{}.svc.{CLUSTER_DOMAIN}", self.name, self.namespace)
+    }
+
     /// The target port for `port`, if the service exposes it.
     pub fn target_port(&self, port: u16) -> Option<u16> {
         self.ports

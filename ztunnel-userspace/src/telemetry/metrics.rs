@@ -65,6 +65,52 @@ pub struct TimeoutLabels {
     pub phase: String,
 }
 
+/// Labels of failed `accept()` calls.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AcceptErrorLabels {
+    /// Which listener (`outbound`, `inbound_plaintext`, `hbone`, `socks5`,
+    /// `admin`, `metrics`, `readiness`, `enrolment`).
+    pub listener: String,
+    /// What failed (see [`crate::accept::AcceptErrorKind`]).
+    pub kind: String,
+}
+
+/// Labels of limits reached.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabels {
+    /// Which limit (see [`crate::limits::Limit`]).
+    pub limit: String,
+}
+
+/// Labels of TLS handshakes.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HandshakeLabels {
+    /// `client` (the HBONE pool) or `server` (port 15008).
+    pub side: String,
+    /// `ok`, `failed` or `timeout`.
+    pub outcome: String,
+}
+
+/// Which end of an HBONE TLS handshake we were.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandshakeSide {
+    /// The pool, connecting to a peer's 15008.
+    Client,
+    /// A pod's 15008.
+    Server,
+}
+
+/// How an HBONE TLS handshake ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandshakeOutcome {
+    /// Done, and the peer is one we accept (ALPN `h2`, a SPIFFE identity).
+    Ok,
+    /// Refused or broken (not TLS, untrusted certificate, no `h2`).
+    Failed,
+    /// Ran out of time.
+    Timeout,
+}
+
 /// Labels of certificate expiry.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CertLabels {
@@ -98,8 +144,21 @@ pub struct Metrics {
     pub capture: Family<CaptureLabels, Gauge>,
     /// `ztunnel_hbone_pool_connections` (set at scrape).
     pub pool_connections: Gauge,
-    /// `ztunnel_hbone_tls_handshakes_total` (set at scrape).
-    pub handshakes: Gauge,
+    /// `ztunnel_hbone_tls_handshakes_total{side,outcome}`.
+    pub handshakes: Family<HandshakeLabels, Counter>,
+    /// `ztunnel_accept_errors_total{listener,kind}`.
+    pub accept_errors: Family<AcceptErrorLabels, Counter>,
+    /// `ztunnel_limit_reached_total{limit}`: connections and clients
+    /// refused because a limit was reached.
+    pub limits_reached: Family<LimitLabels, Counter>,
+    /// `ztunnel_accepted_connections`: connections accepted on the pods'
+    /// listeners and still open (what `--max-connections-per-node` counts).
+    pub accepted: Gauge<i64, AtomicI64>,
+    /// `ztunnel_hbone_pending_handshakes`: connections on the pods' 15008
+    /// still in their TLS or HTTP/2 handshake.
+    pub pending_handshakes: Gauge<i64, AtomicI64>,
+    /// `ztunnel_enrol_clients`: clients connected to the enrolment socket.
+    pub enrol_clients: Gauge<i64, AtomicI64>,
     /// `ztunnel_hbone_pool_reused_streams_total` (set at scrape).
     pub pool_reused: Gauge,
     /// `ztunnel_certificate_expiry_seconds` (unix time, set at scrape).
@@ -130,7 +189,12 @@ impl Metrics {
             timeouts: Family::default(),
             capture: Family::default(),
             pool_connections: Gauge::default(),
-            handshakes: Gauge::default(),
+            handshakes: Family::default(),
+            accept_errors: Family::default(),
+            limits_reached: Family::default(),
+            accepted: Gauge::default(),
+            pending_handshakes: Gauge::default(),
+            enrol_clients: Gauge::default(),
             pool_reused: Gauge::default(),
             cert_expiry: Family::default(),
             active: Gauge::default(),
@@ -187,8 +251,33 @@ impl Metrics {
         );
         registry.register(
             "ztunnel_hbone_tls_handshakes",
-            "HBONE TLS handshakes done (client side)",
+            "HBONE TLS handshakes, by side (client: the pool; server: port 15008) and outcome",
             this.handshakes.clone(),
+        );
+        registry.register(
+            "ztunnel_accept_errors",
+            "Failed accept() calls, by listener and kind (resource errors back off)",
+            this.accept_errors.clone(),
+        );
+        registry.register(
+            "ztunnel_limit_reached",
+            "Connections or clients refused because a limit was reached, by limit",
+            this.limits_reached.clone(),
+        );
+        registry.register(
+            "ztunnel_accepted_connections",
+            "Connections accepted on the pods' listeners and still open",
+            this.accepted.clone(),
+        );
+        registry.register(
+            "ztunnel_hbone_pending_handshakes",
+            "Connections on the pods' HBONE port still in their TLS or HTTP/2 handshake",
+            this.pending_handshakes.clone(),
+        );
+        registry.register(
+            "ztunnel_enrol_clients",
+            "Clients connected to the enrolment socket",
+            this.enrol_clients.clone(),
         );
         registry.register(
             "ztunnel_hbone_pool_reused_streams",
@@ -257,6 +346,44 @@ impl Metrics {
         self.timeouts
             .get_or_create(&TimeoutLabels {
                 phase: phase.as_str().to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts a TLS handshake of an HBONE connection.
+    pub fn handshake(&self, side: HandshakeSide, outcome: HandshakeOutcome) {
+        let side = match side {
+            HandshakeSide::Client => "client",
+            HandshakeSide::Server => "server",
+        };
+        let outcome = match outcome {
+            HandshakeOutcome::Ok => "ok",
+            HandshakeOutcome::Failed => "failed",
+            HandshakeOutcome::Timeout => "timeout",
+        };
+        self.handshakes
+            .get_or_create(&HandshakeLabels {
+                side: side.into(),
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+
+    /// Counts a failed `accept()` on `listener`.
+    pub fn accept_failed(&self, listener: &str, kind: &str) {
+        self.accept_errors
+            .get_or_create(&AcceptErrorLabels {
+                listener: listener.into(),
+                kind: kind.into(),
+            })
+            .inc();
+    }
+
+    /// Counts a connection or client refused by `limit`.
+    pub fn limit_reached(&self, limit: &str) {
+        self.limits_reached
+            .get_or_create(&LimitLabels {
+                limit: limit.into(),
             })
             .inc();
     }

@@ -319,7 +319,7 @@ fn start(
         "--drain-timeout",
         "1",
         "--log",
-        "warn,ztunnel::app=info,ztunnel::enrol=info",
+        "warn,access=off,ztunnel::app=info,ztunnel::enrol=info",
     ];
     args.extend(extra);
     args.extend(more.iter().map(String::as_str));

@@ -1,0 +1,660 @@
+//! Limits and resource errors: connections per pod and per node, HBONE
+//! handshakes in progress, enrolment clients, and accept loops that run
+//! out of file descriptors. Each limit, when reached, must refuse at once
+//! (not queue), be counted in `ztunnel_limit_reached_total{limit}`, be
+//! logged naming the pod and the limit, and leave everyone else served.
+
+use std::{
+    net::SocketAddr,
+    os::fd::{AsRawFd as _, OwnedFd},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+use ztunnel_tests::{
+    Cluster,
+    cgroup::TestCgroup,
+    flows::{self, ClientRun, WorkloadEntry},
+    probe_bin,
+    process::PodProcess,
+    require_root,
+    ztunnel::{Ztunnel, sibling_bin},
+};
+
+/// `/metrics` of the ztunnel of `node`, fetched from inside the node.
+fn metrics(cluster: &Cluster, node: usize, cg: &TestCgroup) -> String {
+    let (status, body) = Ztunnel::http_get(
+        &cluster.node(node).netns().path(),
+        &cg.procs(),
+        "127.0.0.1:15020",
+        "/metrics",
+    );
+    assert_eq!(status, 200, "GET /metrics: {body}");
+    body
+}
+
+/// The value of the series `series` (name and labels as printed), or 0.
+fn value(text: &str, series: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// `ztunnel_limit_reached_total{limit="<limit>"}`.
+fn reached(text: &str, limit: &str) -> u64 {
+    value(
+        text,
+        &format!("ztunnel_limit_reached_total{{limit=\"{limit}\"}}"),
+    )
+}
+
+/// Waits until `series` reads `want` (bounded), returning the last text.
+fn wait_for_value(
+    cluster: &Cluster,
+    node: usize,
+    cg: &TestCgroup,
+    series: &str,
+    want: u64,
+) -> String {
+    let deadline = Instant::now() + ztunnel_tests::patience(Duration::from_secs(15));
+    loop {
+        let text = metrics(cluster, node, cg);
+        if value(&text, series) == want {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{series} never became {want}:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `zt-probe hold`: `count` echoed connections from `pod` to `dst`, kept
+/// open for a minute (or until dropped).
+fn hold(pod: &ztunnel_tests::Pod, dst: SocketAddr, count: usize, name: &str) -> PodProcess {
+    let mut cmd = pod.command(&probe_bin());
+    cmd.args([
+        "hold",
+        "--connect",
+        &dst.to_string(),
+        "--count",
+        &count.to_string(),
+        "--seconds",
+        "60",
+    ]);
+    PodProcess::spawn(name, cmd)
+}
+
+/// Holds `count` connections and waits until all are open and echoed.
+fn held(pod: &ztunnel_tests::Pod, dst: SocketAddr, count: usize, name: &str) -> PodProcess {
+    let mut p = hold(pod, dst, count, name);
+    let line = p.read_line(Duration::from_secs(30));
+    assert_eq!(line, format!("HELD {count}"), "{name}");
+    p
+}
+
+/// One more connection that must be refused: returns how long it took.
+fn refused(pod: &ztunnel_tests::Pod, dst: SocketAddr, name: &str) -> Duration {
+    let started = Instant::now();
+    let done = hold(pod, dst, 1, name).wait(Duration::from_secs(30));
+    let took = started.elapsed();
+    assert!(
+        !done.status.success() && done.stdout.contains("HOLD-ERROR"),
+        "{name}: a connection over the limit was served: {done:?}"
+    );
+    took
+}
+
+/// Runs `zt-hostile stall` from `pod`: `count` connections to `dst`, each
+/// sending `bytes` of a TLS record header and then nothing.
+fn stall(
+    pod: &ztunnel_tests::Pod,
+    dst: SocketAddr,
+    count: usize,
+    bytes: usize,
+    wait_secs: u64,
+) -> PodProcess {
+    let mut cmd = pod.command(&sibling_bin("zt-hostile"));
+    cmd.args(["stall", "--connect", &dst.to_string(), "--count"]);
+    cmd.arg(count.to_string());
+    cmd.args(["--bytes", &bytes.to_string()]);
+    cmd.args(["--wait-secs", &wait_secs.to_string()]);
+    PodProcess::spawn("stall", cmd)
+}
+
+/// What a `zt-hostile stall` saw.
+#[derive(Debug)]
+struct Stalled {
+    /// Connections whose connect (or first write) failed: a reset that
+    /// came before the client saw its connect complete.
+    failed: usize,
+    /// Connections opened.
+    opened: usize,
+    /// Of those, closed by ztunnel within the wait.
+    closed: usize,
+    /// The longest any closed one was held.
+    max_close_ms: u64,
+}
+
+impl Stalled {
+    /// Refused by ztunnel, whichever way the client saw it.
+    fn refused(&self) -> usize {
+        self.failed + self.closed
+    }
+}
+
+fn stall_result(p: PodProcess) -> Stalled {
+    let done = p.wait(Duration::from_secs(60));
+    let line = done
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .unwrap_or_else(|| panic!("no RESULT: {done:?}"))
+        .to_owned();
+    eprintln!("{line}");
+    let field = |key: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in {line}"))
+    };
+    Stalled {
+        failed: field("failed") as usize,
+        opened: field("opened") as usize,
+        closed: field("closed") as usize,
+        max_close_ms: field("max_close_ms"),
+    }
+}
+
+const PER_POD: usize = 3;
+const PER_NODE: usize = 5;
+/// "At once": process start-up and one round trip on a loaded machine; a
+/// queued connection would wait for the 10 s read timeout of `hold`.
+const AT_ONCE: Duration = Duration::from_secs(5);
+
+#[test]
+fn connections_over_the_pod_and_node_limits_are_refused_at_once() {
+    if !require_root("connections_over_the_pod_and_node_limits_are_refused_at_once") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let b = cluster.add_node("node-b");
+    cluster.add_pod(b, "b1");
+    cluster.add_pod(b, "b2");
+    cluster.add_pod(b, "plain");
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("b1", "node-b"),
+            WorkloadEntry::enrolled("b2", "node-b"),
+            WorkloadEntry::outside("plain", "node-b"),
+        ],
+    );
+    let (b1, b2, plain) = (cluster.pod("b1"), cluster.pod("b2"), cluster.pod("plain"));
+    let to_b1 = SocketAddr::from((b1.ip, 8080));
+    let to_b2 = SocketAddr::from((b2.ip, 8080));
+    let _s1 = flows::server_with(b1, to_b1, "echo", true);
+    let _s2 = flows::server_with(b2, to_b2, "echo", true);
+    let z = Ztunnel::start(
+        &cluster,
+        b,
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            "--max-connections-per-pod",
+            &PER_POD.to_string(),
+            "--max-connections-per-node",
+            &PER_NODE.to_string(),
+        ],
+    );
+    z.wait_for_log("pod enrolled pod=b1", Duration::from_secs(10));
+    z.wait_for_log("pod enrolled pod=b2", Duration::from_secs(10));
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let accepted = "ztunnel_accepted_connections";
+
+    // b1 at its limit: one more is closed at once; b2 is still served.
+    let b1_held = held(plain, to_b1, PER_POD, "b1-held");
+    let took = refused(plain, to_b1, "b1-over");
+    assert!(took < AT_ONCE, "the refusal took {took:?}");
+    let quick = ClientRun {
+        limit: Duration::from_secs(20),
+        ..ClientRun::default()
+    };
+    flows::assert_ok(&flows::client(plain, to_b2, &quick));
+    z.wait_for_log("limit reached: connection refused", Duration::from_secs(5));
+    assert_eq!(
+        z.count_log_lines(&["limit reached", "pod=b1", "limit=\"pod_connections\""]),
+        1,
+        "one warning naming the pod and the limit"
+    );
+
+    // The node at its limit (3 of b1 + 2 of b2): b2, under its own
+    // limit, is refused by the node's.
+    wait_for_value(&cluster, b, &cg, accepted, PER_POD as u64);
+    let b2_held = held(plain, to_b2, PER_NODE - PER_POD, "b2-held");
+    let took = refused(plain, to_b2, "b2-over");
+    assert!(took < AT_ONCE, "the refusal took {took:?}");
+    z.wait_for_log("limit=\"node_connections\"", Duration::from_secs(5));
+    assert!(
+        z.count_log_lines(&["limit reached", "pod=b2", "limit=\"node_connections\""]) == 1,
+        "the node limit's warning names the pod refused"
+    );
+    let text = metrics(&cluster, b, &cg);
+    eprintln!(
+        "limits: {} pod, {} node refusals; {} open",
+        reached(&text, "pod_connections"),
+        reached(&text, "node_connections"),
+        value(&text, accepted)
+    );
+    assert_eq!(reached(&text, "pod_connections"), 1, "{text}");
+    assert_eq!(reached(&text, "node_connections"), 1, "{text}");
+    assert_eq!(value(&text, accepted), PER_NODE as u64, "{text}");
+
+    // A flood of refusals is one line per pod and limit per interval, and
+    // every refusal is counted.
+    for i in 0..3 {
+        refused(plain, to_b1, &format!("b1-flood-{i}"));
+    }
+    let text = metrics(&cluster, b, &cg);
+    assert_eq!(reached(&text, "pod_connections"), 4, "{text}");
+    assert_eq!(
+        z.count_log_lines(&["limit reached", "pod=b1", "limit=\"pod_connections\""]),
+        1
+    );
+
+    // Closed connections give their places back.
+    drop(b1_held);
+    drop(b2_held);
+    wait_for_value(&cluster, b, &cg, accepted, 0);
+    flows::assert_ok(&flows::client(plain, to_b1, &quick));
+    let _again = held(plain, to_b1, PER_POD, "b1-again");
+}
+
+/// `--max-hbone-handshakes` in the handshake test.
+const MAX_HANDSHAKES: usize = 4;
+/// Stalled handshakes the slowloris opens (more than the limit).
+const STALLED: usize = 10;
+
+#[test]
+fn hbone_handshakes_in_progress_are_limited_and_counted_on_the_server() {
+    if !require_root("hbone_handshakes_in_progress_are_limited_and_counted_on_the_server") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let b = cluster.add_node("node-b");
+    cluster.add_pod(b, "a1");
+    cluster.add_pod(b, "b1");
+    cluster.add_pod(b, "plain");
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("a1", "node-b"),
+            WorkloadEntry::enrolled("b1", "node-b"),
+            WorkloadEntry::outside("plain", "node-b"),
+        ],
+    );
+    let (a1, b1) = (cluster.pod("a1"), cluster.pod("b1"));
+    let to_b1 = SocketAddr::from((b1.ip, 8080));
+    let _server = flows::server_with(b1, to_b1, "echo", true);
+    let z = Ztunnel::start(
+        &cluster,
+        b,
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            // a1 -> b1 goes through b1's 15008, like a peer node would.
+            "--local-fastpath",
+            "off",
+            "--max-hbone-handshakes",
+            &MAX_HANDSHAKES.to_string(),
+            // Stalled handshakes stay stalled for the whole test.
+            "--tls-handshake-timeout-ms",
+            "60000",
+        ],
+    );
+    z.wait_for_log("pod enrolled pod=a1", Duration::from_secs(10));
+    z.wait_for_log("pod enrolled pod=b1", Duration::from_secs(10));
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+
+    let hbone = SocketAddr::from((b1.ip, 15008));
+    let mut slowloris = stall(cluster.pod("plain"), hbone, STALLED, 5, 8);
+    let opened = slowloris.read_line(Duration::from_secs(30));
+    assert!(opened.starts_with("OPENED "), "{opened}");
+    let text = metrics(&cluster, b, &cg);
+    assert_eq!(
+        value(&text, "ztunnel_hbone_pending_handshakes"),
+        MAX_HANDSHAKES as u64,
+        "{text}"
+    );
+    let result = stall_result(slowloris);
+    // Those over the limit were refused at once; those within it were
+    // held (the handshake timeout is a minute).
+    assert_eq!(result.refused(), STALLED - MAX_HANDSHAKES, "{result:?}");
+    assert_eq!(result.opened - result.closed, MAX_HANDSHAKES, "{result:?}");
+    assert!(
+        result.max_close_ms < AT_ONCE.as_millis() as u64,
+        "refused handshakes were held {} ms",
+        result.max_close_ms
+    );
+    let text = metrics(&cluster, b, &cg);
+    assert_eq!(
+        reached(&text, "hbone_handshakes"),
+        (STALLED - MAX_HANDSHAKES) as u64,
+        "{text}"
+    );
+    z.wait_for_log("limit=\"hbone_handshakes\"", Duration::from_secs(5));
+    assert!(
+        z.count_log_lines(&["limit reached", "pod=b1", "limit=\"hbone_handshakes\""]) == 1,
+        "one warning naming the pod and the limit"
+    );
+
+    // The stalled clients are gone: their places come back, and a meshed
+    // client gets through. The server side counts its handshakes now
+    // (the stalled ones failed when their clients left).
+    wait_for_value(&cluster, b, &cg, "ztunnel_hbone_pending_handshakes", 0);
+    flows::assert_ok(&flows::client(
+        a1,
+        to_b1,
+        &ClientRun {
+            limit: Duration::from_secs(20),
+            ..ClientRun::default()
+        },
+    ));
+    let text = metrics(&cluster, b, &cg);
+    let handshakes = |side: &str, outcome: &str| {
+        value(
+            &text,
+            &format!("ztunnel_hbone_tls_handshakes_total{{side=\"{side}\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(handshakes("client", "ok"), 1, "{text}");
+    assert_eq!(handshakes("server", "ok"), 1, "{text}");
+    assert_eq!(
+        handshakes("server", "failed"),
+        MAX_HANDSHAKES as u64,
+        "{text}"
+    );
+}
+
+/// A raw client of the enrolment socket that connects and says nothing.
+fn silent_enrol_client(socket: &std::path::Path) -> OwnedFd {
+    let fd = socket_fd();
+    connect(fd.as_raw_fd(), &UnixAddr::new(socket).expect("addr")).expect("connect");
+    fd
+}
+
+fn socket_fd() -> OwnedFd {
+    socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .expect("socket")
+}
+
+/// `--max-enrol-clients` in the enrolment test.
+const MAX_ENROL: usize = 2;
+
+#[test]
+fn enrolment_clients_over_the_limit_are_told_and_closed() {
+    if !require_root("enrolment_clients_over_the_limit_are_told_and_closed") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-a");
+    cluster.add_pod(node, "app");
+    let z = Ztunnel::start(
+        &cluster,
+        node,
+        &["--max-enrol-clients", &MAX_ENROL.to_string()],
+    );
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let netns = cluster.pod("app").netns_path();
+    let enrol = || {
+        Command::new(sibling_bin("ztunnel"))
+            .arg("enrol")
+            .arg("--socket")
+            .arg(&z.socket)
+            .args(["add", "--uid", "app", "--namespace", "test"])
+            .args(["--service-account", "app", "--netns"])
+            .arg(&netns)
+            .output()
+            .expect("run ztunnel enrol")
+    };
+
+    let silent: Vec<OwnedFd> = (0..MAX_ENROL)
+        .map(|_| silent_enrol_client(&z.socket))
+        .collect();
+    wait_for_value(
+        &cluster,
+        node,
+        &cg,
+        "ztunnel_enrol_clients",
+        MAX_ENROL as u64,
+    );
+    let started = Instant::now();
+    let out = enrol();
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "enrolled past the limit: {out:?}");
+    assert!(
+        stderr.contains("too many enrolment clients"),
+        "the client is told why: {stderr}"
+    );
+    assert!(took < AT_ONCE, "the refusal took {took:?}");
+    z.wait_for_log("limit=\"enrol_clients\"", Duration::from_secs(5));
+    let text = metrics(&cluster, node, &cg);
+    assert_eq!(reached(&text, "enrol_clients"), 1, "{text}");
+
+    drop(silent);
+    wait_for_value(&cluster, node, &cg, "ztunnel_enrol_clients", 0);
+    let out = enrol();
+    assert!(out.status.success(), "{out:?}");
+    z.wait_for_log("pod enrolled pod=app", Duration::from_secs(10));
+}
+
+/// ztunnel's fixed limit per admin, metrics or readiness server
+/// (`limits::ADMIN_CONNECTIONS_PER_LISTENER`).
+const ADMIN_MAX: usize = 128;
+/// Connections beyond it in the flood test.
+const ADMIN_EXTRA: usize = 12;
+
+#[test]
+fn a_flood_on_the_metrics_port_is_capped_and_silent_clients_are_dropped() {
+    if !require_root("a_flood_on_the_metrics_port_is_capped_and_silent_clients_are_dropped") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let n = cluster.add_node("node-a");
+    cluster.add_pod(n, "plain");
+    let z = Ztunnel::start(&cluster, n, &[]);
+    let plain = cluster.pod("plain");
+    // 15020 listens on every address of the node, so a pod reaches it.
+    let port = SocketAddr::from((cluster.node(n).ip, 15020));
+    let mut holders = stall(plain, port, ADMIN_MAX, 0, 20);
+    assert_eq!(
+        holders.read_line(Duration::from_secs(30)),
+        format!("OPENED {ADMIN_MAX}")
+    );
+    let over = stall_result(stall(plain, port, ADMIN_EXTRA, 0, 3));
+    assert_eq!(
+        over.refused(),
+        ADMIN_EXTRA,
+        "every connection over the limit is refused: {over:?}"
+    );
+    assert!(
+        over.max_close_ms < AT_ONCE.as_millis() as u64,
+        "refused connections were held {} ms",
+        over.max_close_ms
+    );
+    // Another server of the node still answers meanwhile.
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let (status, _) = Ztunnel::http_get(
+        &cluster.node(n).netns().path(),
+        &cg.procs(),
+        "127.0.0.1:15021",
+        "/healthz/ready",
+    );
+    assert_eq!(status, 200);
+    // The holders never send a request: dropped after the header timeout
+    // (10 s), not kept for as long as they like.
+    let held = stall_result(holders);
+    assert_eq!(
+        held.closed, ADMIN_MAX,
+        "silent clients are dropped: {held:?}"
+    );
+    assert!(
+        (9_000..19_000).contains(&held.max_close_ms),
+        "silent clients held {} ms",
+        held.max_close_ms
+    );
+    let text = metrics(&cluster, n, &cg);
+    assert_eq!(
+        reached(&text, "admin_connections"),
+        ADMIN_EXTRA as u64,
+        "{text}"
+    );
+    z.wait_for_log("limit=\"admin_connections\"", Duration::from_secs(5));
+}
+
+/// The lowest file descriptor number `pid` does not use: with
+/// `RLIMIT_NOFILE` set to it, its next `accept()` fails with `EMFILE`.
+fn lowest_free_fd(pid: u32) -> u64 {
+    let used: std::collections::HashSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd dir")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    (0..=used.len() as u64)
+        .find(|n| !used.contains(n))
+        .expect("a free fd")
+}
+
+/// Sets the soft `RLIMIT_NOFILE` of `pid`; returns the old one.
+fn set_nofile(pid: u32, soft: u64) -> libc::rlimit {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: reading the current limits into a valid struct.
+    let rc = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            std::ptr::null(),
+            &raw mut old,
+        )
+    };
+    assert_eq!(rc, 0, "prlimit get: {}", std::io::Error::last_os_error());
+    let new = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: setting limits from a valid struct.
+    let rc = unsafe {
+        libc::prlimit(
+            pid as libc::pid_t,
+            libc::RLIMIT_NOFILE,
+            &raw const new,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(rc, 0, "prlimit set: {}", std::io::Error::last_os_error());
+    old
+}
+
+/// User + system CPU time of `pid` so far, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // Fields after the command name (which may hold spaces): utime and
+    // stime are the 12th and 13th after it.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}
+
+/// How long the CPU use is sampled while accept fails.
+const SAMPLE: Duration = Duration::from_secs(4);
+
+#[test]
+fn accept_backs_off_when_out_of_file_descriptors_and_serves_again() {
+    if !require_root("accept_backs_off_when_out_of_file_descriptors_and_serves_again") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let b = cluster.add_node("node-b");
+    cluster.add_pod(b, "b1");
+    cluster.add_pod(b, "plain");
+    let (b1, plain) = (cluster.pod("b1"), cluster.pod("plain"));
+    let to_b1 = SocketAddr::from((b1.ip, 8080));
+    let _server = flows::server_with(b1, to_b1, "echo", true);
+    // No config file: its watcher would read it every second and report
+    // the EMFILE as a rejected config; the pod comes over the socket.
+    let z = Ztunnel::start(&cluster, b, &[]);
+    let out = Command::new(sibling_bin("ztunnel"))
+        .arg("enrol")
+        .arg("--socket")
+        .arg(&z.socket)
+        .args(["add", "--uid", "b1", "--namespace", "test"])
+        .args(["--service-account", "b1", "--netns"])
+        .arg(b1.netns_path())
+        .output()
+        .expect("run ztunnel enrol");
+    assert!(out.status.success(), "{out:?}");
+    z.wait_for_log("pod enrolled pod=b1", Duration::from_secs(10));
+    let run = ClientRun {
+        limit: Duration::from_secs(30),
+        connect_timeout: 10,
+        ..ClientRun::default()
+    };
+    flows::assert_ok(&flows::client(plain, to_b1, &run));
+
+    // No descriptor left: the next connection to b1 waits in the
+    // listener's queue, and every accept() fails with EMFILE.
+    let pid = z.pid();
+    let old = set_nofile(pid, lowest_free_fd(pid));
+    let mut cmd = plain.command(&probe_bin());
+    cmd.args(["client", "--connect", &to_b1.to_string(), "--bytes", "1000"]);
+    cmd.args(["--timeout", "30", "--connect-timeout", "10"]);
+    let waiting = PodProcess::spawn("waiting-client", cmd);
+    z.wait_for_log("accept failed: backing off", Duration::from_secs(10));
+    let before = cpu_ticks(pid);
+    std::thread::sleep(SAMPLE);
+    let used = cpu_ticks(pid) - before;
+    // SAFETY: sysconf has no preconditions.
+    let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap_or(100);
+    let share = used as f64 / (hz as f64 * SAMPLE.as_secs_f64());
+    let lines = z.count_log_lines(&["accept failed: backing off"]);
+    eprintln!(
+        "out of fds: ztunnel used {:.1}% of a core over {SAMPLE:?}, {lines} warning line(s)",
+        share * 100.0
+    );
+    set_nofile(pid, old.rlim_cur);
+    // A spinning loop takes a whole core; backing off, a few percent at
+    // most even on a loaded machine.
+    assert!(
+        share < 0.10,
+        "ztunnel spun at {:.0}% of a core",
+        share * 100.0
+    );
+    assert!(lines <= 2, "{lines} warnings: the log is not rate-limited");
+
+    // Descriptors are back: the waiting connection is served, and so are
+    // new ones.
+    let done = waiting.wait(Duration::from_secs(40));
+    flows::assert_ok(&done);
+    flows::assert_ok(&flows::client(plain, to_b1, &run));
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let text = metrics(&cluster, b, &cg);
+    let errors = value(
+        &text,
+        "ztunnel_accept_errors_total{listener=\"inbound_plaintext\",kind=\"process_fd_limit\"}",
+    );
+    eprintln!("accept errors counted: {errors}");
+    assert!(errors >= 1, "{text}");
+}

@@ -1,0 +1,415 @@
+//! Limits on what clients can make ztunnel hold: open connections per pod
+//! and per node, HBONE handshakes in progress, enrolment clients.
+//!
+//! Each is checked where the thing is accepted, and a connection over a
+//! limit is reset at once (never queued: a queue would only move the
+//! pile-up somewhere less visible). Every refusal is counted in
+//! `ztunnel_limit_reached_total{limit}` and logged with the pod and the
+//! limit, at most once per ten seconds per pod and limit
+//! (`telemetry::throttle`).
+//!
+//! What counts as a connection: a TCP connection accepted on one of a pod's
+//! listeners (15001, 15006, 15008, 15080), from accept to close, like
+//! Envoy's downstream connection limits. The streams of one HBONE
+//! connection are bounded by HTTP/2 (`SERVER_MAX_STREAMS`), not here.
+//!
+//! Permits are RAII guards: however a connection ends, its count goes
+//! back.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
+
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::telemetry::{Metrics, throttle::LogThrottle};
+
+/// Open connections one pod may have. A busy pod (a gateway, a database
+/// proxy) holds thousands; sixteen thousand is well above that, and a
+/// quarter of the node's limit, so one pod cannot take all of it.
+pub const DEFAULT_CONNECTIONS_PER_POD: usize = 16_384;
+/// Open connections on the node. Each costs two file descriptors and about
+/// 12 KiB (docs/performance.md): 65,536 is 128 Ki fds and under 1 GiB,
+/// inside a node agent's usual budget and far above what nodes carry.
+pub const DEFAULT_CONNECTIONS_PER_NODE: usize = 65_536;
+/// HBONE connections in their TLS or HTTP/2 handshake at once. A handshake
+/// takes about a millisecond of CPU and is bounded in time by the handshake
+/// timeouts; a legitimate burst (every node reconnecting after a restart)
+/// is a few hundred. 1,024 bounds what a slowloris holds to 1,024 sockets
+/// for at most the handshake timeout.
+pub const DEFAULT_HBONE_HANDSHAKES: usize = 1_024;
+/// Clients connected to the enrolment socket at once. Enrolments run one at
+/// a time anyway (the registry serialises them); this bounds the threads
+/// that waiting clients hold while leaving room for a burst of CNI calls.
+pub const DEFAULT_ENROL_CLIENTS: usize = 64;
+
+/// Open connections on each of the admin (15000), metrics (15020) and
+/// readiness (15021) servers. Scrapers and probes hold one or two at a
+/// time; 128 leaves room for several of them while bounding what a pod
+/// that can reach 15020 or 15021 can make ztunnel hold (each such server
+/// also drops a client that sends no request headers within
+/// `admin::HEADER_READ_TIMEOUT`).
+pub const ADMIN_CONNECTIONS_PER_LISTENER: usize = 128;
+
+/// The limits (built from flags by `main`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Open connections per pod.
+    pub connections_per_pod: usize,
+    /// Open connections on the node.
+    pub connections_per_node: usize,
+    /// HBONE connections in their handshakes.
+    pub hbone_handshakes: usize,
+    /// Enrolment socket clients.
+    pub enrol_clients: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            connections_per_pod: DEFAULT_CONNECTIONS_PER_POD,
+            connections_per_node: DEFAULT_CONNECTIONS_PER_NODE,
+            hbone_handshakes: DEFAULT_HBONE_HANDSHAKES,
+            enrol_clients: DEFAULT_ENROL_CLIENTS,
+        }
+    }
+}
+
+/// Which limit refused something (the `limit` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Limit {
+    /// `--max-connections-per-pod`.
+    PodConnections,
+    /// `--max-connections-per-node`.
+    NodeConnections,
+    /// `--max-hbone-handshakes`.
+    HboneHandshakes,
+    /// `--max-enrol-clients`.
+    EnrolClients,
+    /// [`ADMIN_CONNECTIONS_PER_LISTENER`].
+    AdminConnections,
+}
+
+impl Limit {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PodConnections => "pod_connections",
+            Self::NodeConnections => "node_connections",
+            Self::HboneHandshakes => "hbone_handshakes",
+            Self::EnrolClients => "enrol_clients",
+            Self::AdminConnections => "admin_connections",
+        }
+    }
+}
+
+/// The node's counters, and the pods' (shared by every listener of one
+/// pod, found by uid).
+#[derive(Debug)]
+pub struct NodeLimits {
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    pods: Mutex<HashMap<String, Weak<PodLimit>>>,
+    enrol_log: LogThrottle,
+}
+
+impl NodeLimits {
+    /// Counters for `limits`, reported in `metrics`.
+    pub fn new(limits: Limits, metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Self {
+            limits,
+            metrics,
+            pods: Mutex::default(),
+            enrol_log: LogThrottle::default(),
+        })
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// The counter of pod `uid`, shared by all its listeners (and kept as
+    /// long as any of them or its connections hold it, so a re-enrolment
+    /// while old connections drain keeps counting them).
+    pub fn pod(self: &Arc<Self>, uid: &str) -> Arc<PodLimit> {
+        let mut pods = self
+            .pods
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(pod) = pods.get(uid).and_then(Weak::upgrade) {
+            return pod;
+        }
+        // Pods that left: their entries go with the next new one.
+        pods.retain(|_, pod| pod.strong_count() > 0);
+        let pod = Arc::new(PodLimit {
+            uid: uid.to_owned(),
+            open: AtomicUsize::new(0),
+            node: Arc::clone(self),
+            logs: Default::default(),
+        });
+        pods.insert(uid.to_owned(), Arc::downgrade(&pod));
+        pod
+    }
+
+    /// A place among the enrolment socket's clients, or `None` (counted
+    /// and logged) when they are all taken.
+    pub fn enrol_client(&self) -> Option<Slot> {
+        let slot = Slot::take(&self.metrics.enrol_clients, self.limits.enrol_clients);
+        if slot.is_none() {
+            self.metrics.limit_reached(Limit::EnrolClients.as_str());
+            if let Some(suppressed) = self.enrol_log.allow() {
+                tracing::warn!(
+                    limit = Limit::EnrolClients.as_str(),
+                    max = self.limits.enrol_clients,
+                    suppressed,
+                    "limit reached: enrolment client refused"
+                );
+            }
+        }
+        slot
+    }
+
+    fn refused(&self, pod: &PodLimit, limit: Limit, max: usize) {
+        self.metrics.limit_reached(limit.as_str());
+        let log = &pod.logs[limit as usize];
+        if let Some(suppressed) = log.allow() {
+            tracing::warn!(
+                pod = %pod.uid,
+                limit = limit.as_str(),
+                max,
+                suppressed,
+                "limit reached: connection refused"
+            );
+        }
+    }
+}
+
+/// One pod's open connections.
+#[derive(Debug)]
+pub struct PodLimit {
+    uid: String,
+    open: AtomicUsize,
+    node: Arc<NodeLimits>,
+    /// One throttle per [`Limit`], so that one limit's flood does not hide
+    /// another's first line.
+    logs: [LogThrottle; 4],
+}
+
+impl PodLimit {
+    /// The pod.
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+
+    /// Connections of this pod open now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Admits one more connection of this pod, or refuses it (counted and
+    /// logged) when the pod or the node is at its limit.
+    pub fn admit(self: &Arc<Self>) -> Option<ConnectionPermit> {
+        let max = self.node.limits.connections_per_pod;
+        if self.open.fetch_add(1, Ordering::AcqRel) >= max {
+            self.open.fetch_sub(1, Ordering::AcqRel);
+            self.node.refused(self, Limit::PodConnections, max);
+            return None;
+        }
+        let max = self.node.limits.connections_per_node;
+        let Some(node) = Slot::take(&self.node.metrics.accepted, max) else {
+            self.open.fetch_sub(1, Ordering::AcqRel);
+            self.node.refused(self, Limit::NodeConnections, max);
+            return None;
+        };
+        Some(ConnectionPermit {
+            pod: Arc::clone(self),
+            _node: node,
+        })
+    }
+
+    /// A place among the node's HBONE handshakes for a connection on this
+    /// pod's 15008, or `None` (counted and logged) when they are all taken.
+    pub fn handshake(&self) -> Option<Slot> {
+        let max = self.node.limits.hbone_handshakes;
+        let slot = Slot::take(&self.node.metrics.pending_handshakes, max);
+        if slot.is_none() {
+            self.node.refused(self, Limit::HboneHandshakes, max);
+        }
+        slot
+    }
+}
+
+/// The open connections of one admin, metrics or readiness server.
+#[derive(Debug)]
+pub struct ListenerLimit {
+    listener: &'static str,
+    max: usize,
+    open: Gauge<i64, std::sync::atomic::AtomicI64>,
+    metrics: Arc<Metrics>,
+    log: LogThrottle,
+}
+
+impl ListenerLimit {
+    /// At most `max` open connections on `listener` (a name for the log).
+    pub fn new(listener: &'static str, max: usize, metrics: Arc<Metrics>) -> Self {
+        Self {
+            listener,
+            max,
+            open: Gauge::default(),
+            metrics,
+            log: LogThrottle::default(),
+        }
+    }
+
+    /// Admits one more connection, or refuses it (counted and logged).
+    pub fn admit(&self) -> Option<Slot> {
+        let slot = Slot::take(&self.open, self.max);
+        if slot.is_none() {
+            self.metrics.limit_reached(Limit::AdminConnections.as_str());
+            if let Some(suppressed) = self.log.allow() {
+                tracing::warn!(
+                    listener = self.listener,
+                    limit = Limit::AdminConnections.as_str(),
+                    max = self.max,
+                    suppressed,
+                    "limit reached: connection refused"
+                );
+            }
+        }
+        slot
+    }
+}
+
+/// One admitted connection: counted against its pod and the node until
+/// dropped.
+#[derive(Debug)]
+pub struct ConnectionPermit {
+    pod: Arc<PodLimit>,
+    _node: Slot,
+}
+
+impl Drop for ConnectionPermit {
+    fn drop(&mut self) {
+        self.pod.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One place in a node-wide count whose gauge is exported; given back on
+/// drop.
+#[derive(Debug)]
+pub struct Slot(Gauge<i64, std::sync::atomic::AtomicI64>);
+
+impl Slot {
+    /// Takes a place in `gauge` if it holds fewer than `max`. (Concurrent
+    /// takers may see the gauge above `max` for an instant; none of them
+    /// keeps a place beyond it.)
+    fn take(gauge: &Gauge<i64, std::sync::atomic::AtomicI64>, max: usize) -> Option<Self> {
+        let before = gauge.inc();
+        if usize::try_from(before).unwrap_or(0) >= max {
+            gauge.dec();
+            return None;
+        }
+        Some(Self(gauge.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(per_pod: usize, per_node: usize) -> Arc<NodeLimits> {
+        NodeLimits::new(
+            Limits {
+                connections_per_pod: per_pod,
+                connections_per_node: per_node,
+                hbone_handshakes: 1,
+                enrol_clients: 1,
+            },
+            Metrics::new(),
+        )
+    }
+
+    #[test]
+    fn a_pod_at_its_limit_is_refused_and_others_are_not() {
+        let node = limits(2, 10);
+        let a = node.pod("a");
+        let held: Vec<_> = (0..2)
+            .map(|_| a.admit().expect("under the limit"))
+            .collect();
+        assert!(a.admit().is_none(), "a third connection of a");
+        assert!(node.pod("b").admit().is_some(), "b has its own count");
+        assert_eq!(node.pod("a").open(), 2, "listeners of a share one count");
+        drop(held);
+        assert_eq!(a.open(), 0);
+        assert!(a.admit().is_some(), "places come back");
+        let text = node.metrics.encode();
+        assert!(
+            text.contains("ztunnel_limit_reached_total{limit=\"pod_connections\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_node_limit_counts_every_pod() {
+        let node = limits(10, 3);
+        let (a, b) = (node.pod("a"), node.pod("b"));
+        let _held = [a.admit(), a.admit(), b.admit()];
+        assert!(b.admit().is_none());
+        assert_eq!(b.open(), 1, "a refused connection leaves no count behind");
+        assert_eq!(node.metrics.accepted.get(), 3);
+        let text = node.metrics.encode();
+        assert!(
+            text.contains("ztunnel_limit_reached_total{limit=\"node_connections\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn handshakes_and_enrolment_clients_have_node_wide_places() {
+        let node = limits(10, 10);
+        let a = node.pod("a");
+        let shake = a.handshake().expect("one place");
+        assert!(node.pod("b").handshake().is_none());
+        drop(shake);
+        assert!(a.handshake().is_some());
+        let client = node.enrol_client().expect("one place");
+        assert!(node.enrol_client().is_none());
+        drop(client);
+        assert_eq!(node.metrics.enrol_clients.get(), 0);
+    }
+
+    #[test]
+    fn an_admin_listener_has_its_own_places() {
+        let metrics = Metrics::new();
+        let admin = ListenerLimit::new("metrics", 1, Arc::clone(&metrics));
+        let held = admin.admit().expect("one place");
+        assert!(admin.admit().is_none());
+        drop(held);
+        assert!(admin.admit().is_some());
+        assert!(
+            metrics
+                .encode()
+                .contains("ztunnel_limit_reached_total{limit=\"admin_connections\"} 1")
+        );
+    }
+
+    #[test]
+    fn pods_that_left_are_forgotten() {
+        let node = limits(10, 10);
+        drop(node.pod("gone"));
+        let _kept = node.pod("kept");
+        let pods = node.pods.lock().expect("lock");
+        assert_eq!(pods.keys().collect::<Vec<_>>(), vec!["kept"]);
+    }
+}
