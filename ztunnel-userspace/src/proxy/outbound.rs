@@ -44,6 +44,9 @@ pub struct OutboundContext {
 
 /// Accepts forever (until the task is aborted on pod removal).
 pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
+    // Shared by the pod's connections: a clone per connection would copy
+    // the pod's names and addresses into every one of them.
+    let ctx = Arc::new(ctx);
     loop {
         let (stream, client) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -62,7 +65,7 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
         };
         let id = next_connection_id();
         let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", src = %client, dst = tracing::field::Empty);
-        let ctx = ctx.clone();
+        let ctx = Arc::clone(&ctx);
         tokio::spawn(
             async move {
                 let result = if let Some(dst) = orig {
@@ -118,7 +121,11 @@ pub async fn handle(
     // 100k churn to a closed port, `capture_bypass`), a mechanism not yet
     // understood; until it is, the close stays graceful (issue 11 tracks
     // refusing closed ports at once).
-    let (upstream, record) = open(dst, client_port, ctx).await?;
+    // Opening (routing, a connect, and when no pooled connection has room
+    // the TLS and HTTP/2 handshakes) is a future of several KiB, which
+    // would stay in the connection's task for its whole life, idle or not;
+    // boxed, it is freed once the upstream is open.
+    let (upstream, record) = Box::pin(open(dst, client_port, ctx)).await?;
     carry(stream, upstream, record).await
 }
 

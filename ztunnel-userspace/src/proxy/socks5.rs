@@ -84,6 +84,8 @@ pub enum SocksError {
 
 /// Accepts SOCKS5 clients forever.
 pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
+    // One copy for all connections (see `outbound::serve`).
+    let ctx = std::sync::Arc::new(ctx);
     loop {
         let (stream, client) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -94,7 +96,7 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
         };
         let id = next_connection_id();
         let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", via = "socks5", src = %client, dst = tracing::field::Empty);
-        let ctx = ctx.clone();
+        let ctx = std::sync::Arc::clone(&ctx);
         tokio::spawn(
             async move {
                 if let Err(e) = session(stream, &ctx).await {
@@ -130,7 +132,8 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
         }
     };
     tracing::Span::current().record("dst", tracing::field::display(dst));
-    match outbound::open(dst, client.port(), ctx).await {
+    // Boxed for the reason given in `outbound::handle`.
+    match Box::pin(outbound::open(dst, client.port(), ctx)).await {
         Ok((upstream, record)) => {
             reply(&mut stream, Reply::Ok).await?;
             outbound::carry(stream, upstream, record)
