@@ -20,7 +20,7 @@ use ztunnel_common::INBOUND_HBONE_PORT;
 
 use super::{
     CLIENT_MAX_STREAMS, CONNECTION_WINDOW, HboneError, MAX_FRAME, PING_INTERVAL, PING_TIMEOUT,
-    STREAM_WINDOW,
+    SPARE_IDLE_TIMEOUT, STREAM_WINDOW,
 };
 use crate::{
     identity::{CertManager, Identity},
@@ -119,6 +119,42 @@ struct Home {
 }
 
 impl Home {
+    /// Whether `conn` closes now, and why: it carries no stream and was
+    /// retired, has been idle for `idle_timeout`, or for
+    /// [`SPARE_IDLE_TIMEOUT`] while an older connection of its slot is idle
+    /// too. Decided under the slot's lock, where streams are taken, so no
+    /// stream picks a connection that is closing.
+    fn close_reason(&self, conn: &PooledConn, idle_timeout: Duration) -> Option<&'static str> {
+        let slot = lock(&self.slot);
+        if conn.streams.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        let idle_for = conn
+            .idle_since
+            .lock()
+            .map(|t| t.elapsed())
+            .unwrap_or_default();
+        let spare = || {
+            idle_for >= SPARE_IDLE_TIMEOUT
+                && slot.conns.iter().any(|c| {
+                    c.id < conn.id
+                        && !c.closed.load(Ordering::Acquire)
+                        && c.streams.load(Ordering::Acquire) == 0
+                })
+        };
+        let reason = if conn.closed.load(Ordering::Acquire) {
+            "retired"
+        } else if idle_for >= idle_timeout {
+            "idle timeout"
+        } else if spare() {
+            "another connection to the peer is idle"
+        } else {
+            return None;
+        };
+        conn.closed.store(true, Ordering::Release);
+        Some(reason)
+    }
+
     fn leave(&self, conn: &Arc<PooledConn>) {
         lock(&self.slot).conns.retain(|c| !Arc::ptr_eq(c, conn));
         drop_if_empty(&self.slots, &self.key, &self.slot);
@@ -529,9 +565,8 @@ impl HbonePool {
 }
 
 /// Runs one pooled connection: polls it, sends keep-alive PINGs, and closes
-/// it when idle too long, when idle after being retired (its source pod
-/// left, or a stream found it broken), when a PING goes unanswered, or on
-/// error. Then it takes itself out of the pool.
+/// it when idle too long ([`Home::close_reason`]), when a PING goes
+/// unanswered, or on error. Then it takes itself out of the pool.
 async fn drive(
     mut connection: h2::client::Connection<
         tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
@@ -567,13 +602,8 @@ async fn drive(
             },
             () = dead.notified() => break "PING timed out".to_owned(),
             _ = check.tick() => {
-                if pooled.streams.load(Ordering::Acquire) == 0 {
-                    if pooled.closed.load(Ordering::Acquire) {
-                        break "retired".to_owned();
-                    }
-                    if pooled.idle_since.lock().is_ok_and(|t| t.elapsed() >= idle_timeout) {
-                        break "idle timeout".to_owned();
-                    }
+                if let Some(reason) = home.close_reason(&pooled, idle_timeout) {
+                    break reason.to_owned();
                 }
             }
         }
