@@ -1,14 +1,14 @@
 //! Keeping the footprint small, and giving memory back.
 //!
 //! The `ztunnel` binary allocates with jemalloc (`main.rs`), not glibc's
-//! malloc. glibc carves every arena out of one heap: after a burst of
-//! connections, the few long-lived objects left scattered among the freed
-//! ones (span slots of the log subscriber, pooled connections' tables) pin
-//! the pages around them, so 10,000 closed connections left about 50 MiB
-//! resident for good, `malloc_trim` or not. jemalloc keeps objects of one
-//! size together in their own slabs, and with its background thread it
-//! returns pages that stay unused for a few seconds without waiting for
-//! the next allocation (docs/performance.md has the A/B).
+//! malloc. glibc mixes objects of every size on its heaps: after a burst
+//! of connections, the few long-lived objects left among the freed ones
+//! (the log subscriber's span slots, pooled connections' stream tables)
+//! pin the pages around them, so 10,000 closed connections left more than
+//! 50 MiB resident for good, `malloc_trim` or not. jemalloc keeps objects
+//! of one size class together in their own slabs, and its background
+//! thread returns pages that stay unused for a few seconds without waiting
+//! for the next allocation (docs/performance.md has the A/B).
 //!
 //! Start-up is the allocation peak of an idle process (aya parses the
 //! kernel's BTF, rcgen issues certificates): [`release_startup_heap`]
