@@ -33,6 +33,29 @@ pub fn sibling_bin(name: &str) -> PathBuf {
     bin
 }
 
+/// The `ztunnel` binary the tests run: the one built next to the test
+/// helpers (the debug build `cargo xtask test` makes), or the one named by
+/// `ZTUNNEL_TESTS_ZTUNNEL` (e.g. `target/release/ztunnel`, to measure what
+/// users run).
+pub fn ztunnel_bin() -> PathBuf {
+    match std::env::var_os("ZTUNNEL_TESTS_ZTUNNEL") {
+        Some(path) => {
+            let path = PathBuf::from(path);
+            assert!(
+                path.is_file(),
+                "ZTUNNEL_TESTS_ZTUNNEL={}: no such file",
+                path.display()
+            );
+            path
+        }
+        None => sibling_bin("ztunnel"),
+    }
+}
+
+/// The log filter tests run ztunnel with: ztunnel's own debug lines help
+/// when a test fails.
+pub const TEST_LOG: &str = "info,ztunnel=debug";
+
 /// One running ztunnel.
 #[derive(Debug)]
 pub struct Ztunnel {
@@ -83,7 +106,12 @@ impl Ztunnel {
     /// Starts `ztunnel run` for `node` with the cluster's capture cgroup and
     /// the given extra arguments, and waits until it is ready.
     pub fn start(cluster: &Cluster, node: usize, extra: &[&str]) -> Self {
-        Self::start_with_env(cluster, node, extra, &[])
+        Self::start_full(cluster, node, TEST_LOG, extra, &[])
+    }
+
+    /// [`Self::start`] with the log filter `filter` (`info` is what users run).
+    pub fn start_with_log(cluster: &Cluster, node: usize, filter: &str, extra: &[&str]) -> Self {
+        Self::start_full(cluster, node, filter, extra, &[])
     }
 
     /// [`Self::start`] with extra environment variables (e.g. a `PATH`
@@ -91,6 +119,17 @@ impl Ztunnel {
     pub fn start_with_env(
         cluster: &Cluster,
         node: usize,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        Self::start_full(cluster, node, TEST_LOG, extra, env)
+    }
+
+    /// Starts ztunnel with the log filter, extra arguments and environment.
+    pub fn start_full(
+        cluster: &Cluster,
+        node: usize,
+        filter: &str,
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
@@ -107,14 +146,10 @@ impl Ztunnel {
             .append(true)
             .open(&paths.log)
             .expect("open ztunnel log");
-        let mut cmd = command_in(
-            &node_ref.netns().path(),
-            &cgroup.procs(),
-            &sibling_bin("ztunnel"),
-        );
+        let mut cmd = command_in(&node_ref.netns().path(), &cgroup.procs(), &ztunnel_bin());
         cmd.args([
             "--log",
-            "info,ztunnel=debug",
+            filter,
             "run",
             "--node-name",
             &node_ref.name,
@@ -150,11 +185,22 @@ impl Ztunnel {
 
     /// Resident memory of the ztunnel process, in KiB (`VmRSS`).
     pub fn rss_kib(&self) -> u64 {
+        self.status_kib("VmRSS")
+    }
+
+    /// The resident part that is ztunnel's own (heap, stacks; `RssAnon`),
+    /// in KiB: `VmRSS` less the pages of the binary and libraries.
+    pub fn anon_kib(&self) -> u64 {
+        self.status_kib("RssAnon")
+    }
+
+    /// A `kB` field of `/proc/PID/status` (0 when unreadable).
+    fn status_kib(&self, field: &str) -> u64 {
         let pid = self.process.as_ref().map_or(0, PodProcess::pid);
         let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
             .and_then(|v| v.split_whitespace().next())
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)

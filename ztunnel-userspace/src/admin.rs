@@ -324,6 +324,7 @@ fn config_dump(state: &AdminState) -> String {
             "kernel": programs,
         },
         "hbonePool": {
+            "slots": shared.pool.slots(),
             "openConnections": shared.pool.open_connections(),
             "tlsHandshakes": shared.pool.handshakes(),
             "reusedStreams": shared.pool.reused(),

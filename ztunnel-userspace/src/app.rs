@@ -137,7 +137,6 @@ pub enum AppError {
 
 /// Runs the daemon until SIGTERM/SIGINT, then drains.
 pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result<(), AppError> {
-    crate::memory::limit_arenas(settings.worker_threads);
     let cgroup_dir = match &settings.cgroup {
         Some(dir) => dir.clone(),
         None => cgroup::cgroup2_mount()?,

@@ -32,8 +32,8 @@ use crate::telemetry::{Metrics, throttle::LogThrottle};
 /// proxy) holds thousands; sixteen thousand is well above that, and a
 /// quarter of the node's limit, so one pod cannot take all of it.
 pub const DEFAULT_CONNECTIONS_PER_POD: usize = 16_384;
-/// Open connections on the node. Each costs two file descriptors and about
-/// 12 KiB (docs/performance.md): 65,536 is 128 Ki fds and under 1 GiB,
+/// Open connections on the node. Each costs two file descriptors and 5 to
+/// 16 KiB (docs/performance.md): 65,536 is 128 Ki fds and at most 1 GiB,
 /// inside a node agent's usual budget and far above what nodes carry.
 pub const DEFAULT_CONNECTIONS_PER_NODE: usize = 65_536;
 /// HBONE connections in their TLS or HTTP/2 handshake at once. A handshake

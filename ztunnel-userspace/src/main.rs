@@ -16,6 +16,18 @@ use ztunnel::{
     limits, probe, timeouts,
 };
 
+/// jemalloc, for the reasons in `ztunnel::memory`.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc reads its settings from this symbol (its own definition is
+/// weak) when it initialises, before `main`.
+#[allow(non_upper_case_globals)]
+#[unsafe(export_name = "_rjem_malloc_conf")]
+static malloc_conf: Option<&'static std::ffi::c_char> =
+    // SAFETY: a pointer to the first byte of a 'static C string.
+    Some(unsafe { &*ztunnel::memory::JEMALLOC_CONF.as_ptr() });
+
 /// Default pin folder on bpffs.
 const DEFAULT_BPFFS: &str = "/sys/fs/bpf/ztunnel";
 

@@ -1,30 +1,56 @@
-//! Keeping the idle footprint small.
+//! Keeping the footprint small, and giving memory back.
 //!
-//! Start-up is the allocation peak of the process: aya parses the kernel's
-//! BTF (several MiB) and the embedded object, rcgen issues certificates and
-//! the config is parsed. glibc keeps most of that freed memory in its heap
-//! (it only gives back the top of it), so without help an idle ztunnel
-//! carries megabytes of free heap for its whole life. Capping the number of
-//! malloc arenas keeps every short-lived helper thread (enrolment, socket
-//! factories, config watch) from growing an arena of its own.
+//! The `ztunnel` binary allocates with jemalloc (`main.rs`), not glibc's
+//! malloc. glibc mixes objects of every size on its heaps: after a burst
+//! of connections, the few long-lived objects left among the freed ones
+//! (the log subscriber's span slots, pooled connections' stream tables)
+//! pin the pages around them, so 10,000 closed connections left more than
+//! 50 MiB resident for good, `malloc_trim` or not. jemalloc keeps objects
+//! of one size class together in their own slabs, and its background
+//! thread returns pages that stay unused for a few seconds without waiting
+//! for the next allocation (docs/performance.md has the A/B).
+//!
+//! Start-up is the allocation peak of an idle process (aya parses the
+//! kernel's BTF, rcgen issues certificates): [`release_startup_heap`]
+//! returns it at once instead of after the decay time.
 
-/// malloc arenas: the data plane's workers plus one for everyone else.
-/// glibc's default is 8 per core, which on a big node means dozens of
-/// mostly idle arenas.
-pub fn limit_arenas(worker_threads: usize) {
-    let arenas = i32::try_from(worker_threads.saturating_add(1)).unwrap_or(i32::MAX);
-    // SAFETY: mallopt only changes allocator tuning; called before the
-    // worker threads exist.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, arenas);
-    }
-}
+use std::ptr;
 
-/// Returns the heap freed after start-up to the kernel. Call once the
+/// jemalloc's settings, read when it initialises (before `main`):
+/// - `background_thread`: a thread that purges unused pages on time, so
+///   memory comes back after a burst even when the process then goes quiet
+///   (without it, purging only happens inside later allocations);
+/// - `dirty_decay_ms:5000`, `muzzy_decay_ms:0`: freed pages unused for
+///   about 5 s are returned with `MADV_DONTNEED` (which lowers RSS at once;
+///   the "muzzy" `MADV_FREE` stage would keep them counted until the kernel
+///   needs them). Short enough to see memory come back within seconds,
+///   long enough not to return and refault pages under steady churn;
+/// - `narenas:2`: arenas for the data plane's workers (default 2) and
+///   everyone else share them; jemalloc's default of four per CPU would
+///   spread a quiet process's few allocations over dozens of arenas, each
+///   with its own partly used pages.
+pub const JEMALLOC_CONF: &std::ffi::CStr =
+    c"background_thread:true,dirty_decay_ms:5000,muzzy_decay_ms:0,narenas:2";
+
+/// `MALLCTL_ARENAS_ALL`: "every arena" in jemalloc's `arena.<i>.*` names.
+const PURGE_ALL_ARENAS: &std::ffi::CStr = c"arena.4096.purge";
+
+/// Returns the memory freed after start-up to the kernel. Call once the
 /// programs are loaded and the first pods enrolled.
 pub fn release_startup_heap() {
-    // SAFETY: malloc_trim only releases free memory; it is thread safe.
-    unsafe {
-        libc::malloc_trim(0);
+    // SAFETY: `arena.<i>.purge` takes and returns nothing; the name is a
+    // valid C string. Without jemalloc as the global allocator (the
+    // library's own tests) it only purges jemalloc's empty arenas.
+    let rc = unsafe {
+        tikv_jemalloc_sys::mallctl(
+            PURGE_ALL_ARENAS.as_ptr(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            0,
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(rc, "jemalloc purge failed");
     }
 }

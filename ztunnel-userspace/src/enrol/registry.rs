@@ -118,6 +118,10 @@ impl EnrolError {
 struct EnrolledPod {
     netns_name: String,
     cookie: u64,
+    /// What the proxy keeps for the pod (pool slots by source address, the
+    /// certificate by identity) is dropped with it.
+    identity: Identity,
+    ips: Vec<std::net::IpAddr>,
     source: Source,
     netns: PodNetns,
     ingress: Option<PodIngress>,
@@ -397,6 +401,8 @@ impl PodRegistry {
         let pod = EnrolledPod {
             netns_name: req.netns.name().to_owned(),
             cookie,
+            identity: context.identity.clone(),
+            ips: context.ips.clone(),
             source: req.source,
             netns: req.netns,
             ingress,
@@ -598,14 +604,16 @@ impl PodRegistry {
 
     /// Removes `uid` if it is enrolled (not its failed-enrolment record).
     fn remove_enrolled(&self, uid: &str) -> Result<bool, EnrolError> {
-        let Some(pod) = self
-            .pods
-            .lock()
-            .map_err(|_| EnrolError::Poisoned)?
-            .remove(uid)
-        else {
-            return Ok(false);
+        let (pod, identity_in_use) = {
+            let mut pods = self.pods.lock().map_err(|_| EnrolError::Poisoned)?;
+            let Some(pod) = pods.remove(uid) else {
+                return Ok(false);
+            };
+            let in_use = pods.values().any(|p| p.identity == pod.identity);
+            (pod, in_use)
         };
+        self.shared
+            .forget_pod(&pod.ips, (!identity_in_use).then_some(&pod.identity));
         for task in &pod.tasks {
             task.abort();
         }

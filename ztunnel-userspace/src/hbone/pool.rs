@@ -20,7 +20,7 @@ use ztunnel_common::INBOUND_HBONE_PORT;
 
 use super::{
     CLIENT_MAX_STREAMS, CONNECTION_WINDOW, HboneError, MAX_FRAME, PING_INTERVAL, PING_TIMEOUT,
-    STREAM_WINDOW,
+    SPARE_IDLE_TIMEOUT, STREAM_WINDOW,
 };
 use crate::{
     identity::{CertManager, Identity},
@@ -86,13 +86,94 @@ enum Opening {
 struct Slot {
     conns: Vec<Arc<PooledConn>>,
     opening: Option<watch::Receiver<Opening>>,
+    /// Taken out of the pool's map (its source pod left, or its last
+    /// connection ended): a stream that still holds it looks the key up
+    /// again instead of opening a connection nobody else would find.
+    detached: bool,
 }
 
 type SlotRef = Arc<Mutex<Slot>>;
 
+/// Every slot, by key. A slot lives while it has a connection or an open
+/// under way: the last connection to end takes it out (see [`Home`]), and
+/// a pod that leaves takes its own out ([`HbonePool::forget_source`]), so
+/// the map follows the pods and peers in use instead of growing with every
+/// one ever seen.
+type SlotMap = HashMap<PoolKey, SlotRef>;
+
 fn lock(slot: &Mutex<Slot>) -> std::sync::MutexGuard<'_, Slot> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn lock_map(slots: &Mutex<SlotMap>) -> std::sync::MutexGuard<'_, SlotMap> {
+    slots
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Where a pooled connection is listed, so that when it ends it takes
+/// itself out, and its slot too when that is left empty. Lock order, here
+/// as everywhere: the map, then a slot.
+struct Home {
+    slots: Arc<Mutex<SlotMap>>,
+    key: PoolKey,
+    slot: SlotRef,
+}
+
+impl Home {
+    /// Whether `conn` closes now, and why: it carries no stream and was
+    /// retired, has been idle for `idle_timeout`, or for
+    /// [`SPARE_IDLE_TIMEOUT`] while an older connection of its slot is idle
+    /// too. Decided under the slot's lock, where streams are taken, so no
+    /// stream picks a connection that is closing.
+    fn close_reason(&self, conn: &PooledConn, idle_timeout: Duration) -> Option<&'static str> {
+        let slot = lock(&self.slot);
+        if conn.streams.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        let idle_for = conn
+            .idle_since
+            .lock()
+            .map(|t| t.elapsed())
+            .unwrap_or_default();
+        let spare = || {
+            idle_for >= SPARE_IDLE_TIMEOUT
+                && slot.conns.iter().any(|c| {
+                    c.id < conn.id
+                        && !c.closed.load(Ordering::Acquire)
+                        && c.streams.load(Ordering::Acquire) == 0
+                })
+        };
+        let reason = if conn.closed.load(Ordering::Acquire) {
+            "retired"
+        } else if idle_for >= idle_timeout {
+            "idle timeout"
+        } else if spare() {
+            "another connection to the peer is idle"
+        } else {
+            return None;
+        };
+        conn.closed.store(true, Ordering::Release);
+        Some(reason)
+    }
+
+    fn leave(&self, conn: &Arc<PooledConn>) {
+        lock(&self.slot).conns.retain(|c| !Arc::ptr_eq(c, conn));
+        drop_if_empty(&self.slots, &self.key, &self.slot);
+    }
+}
+
+/// Takes `slot` out of the map when it holds no connection and no open is
+/// under way.
+fn drop_if_empty(slots: &Mutex<SlotMap>, key: &PoolKey, slot: &SlotRef) {
+    let mut map = lock_map(slots);
+    let mut inner = lock(slot);
+    let listed = map.get(key).is_some_and(|s| Arc::ptr_eq(s, slot));
+    if listed && inner.conns.is_empty() && inner.opening.is_none() {
+        inner.detached = true;
+        map.remove(key);
+    }
 }
 
 /// Rounds of [`HbonePool::pick`] before giving up: each round takes a
@@ -110,7 +191,9 @@ const CONNECT_ATTEMPTS: usize = 3;
 /// slot stops announcing it and the waiters learn the outcome (a dropped
 /// sender tells them to look again).
 struct OpenGuard<'a> {
-    slot: &'a Mutex<Slot>,
+    slots: &'a Mutex<SlotMap>,
+    key: &'a PoolKey,
+    slot: &'a SlotRef,
     /// `None` once the outcome is published.
     tx: Option<watch::Sender<Opening>>,
 }
@@ -122,6 +205,11 @@ impl OpenGuard<'_> {
             slot.opening = None;
             match conn {
                 Ok(conn) => {
+                    if slot.detached {
+                        // Its pod left meanwhile: carry this one stream,
+                        // then close.
+                        conn.closed.store(true, Ordering::Release);
+                    }
                     slot.conns.push(Arc::clone(conn));
                     Opening::Ready
                 }
@@ -130,6 +218,9 @@ impl OpenGuard<'_> {
         };
         if let Some(tx) = self.tx.take() {
             tx.send_replace(outcome);
+        }
+        if conn.is_err() {
+            drop_if_empty(self.slots, self.key, self.slot);
         }
     }
 }
@@ -141,6 +232,7 @@ impl Drop for OpenGuard<'_> {
         // announcement cleared here is ours.
         if self.tx.is_some() {
             lock(self.slot).opening = None;
+            drop_if_empty(self.slots, self.key, self.slot);
         }
     }
 }
@@ -150,12 +242,14 @@ enum Pick {
     Take(Arc<PooledConn>),
     Open(watch::Sender<Opening>),
     Wait(watch::Receiver<Opening>),
+    /// The slot left the map between the lookup and the look: look again.
+    Moved,
 }
 
 /// The pool. Cheap to share (`Arc`).
 pub struct HbonePool {
     certs: Arc<CertManager>,
-    slots: Mutex<HashMap<PoolKey, SlotRef>>,
+    slots: Arc<Mutex<SlotMap>>,
     settings: PoolSettings,
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
@@ -200,7 +294,7 @@ impl HbonePool {
     pub fn new(certs: Arc<CertManager>, settings: PoolSettings, metrics: Arc<Metrics>) -> Self {
         Self {
             certs,
-            slots: Mutex::new(HashMap::new()),
+            slots: Arc::default(),
             settings,
             metrics,
             next_id: AtomicU64::new(1),
@@ -219,12 +313,44 @@ impl HbonePool {
         self.reused.load(Ordering::Relaxed)
     }
 
+    /// Slots (one per source pod, source identity, destination and
+    /// destination identity in use).
+    pub fn slots(&self) -> usize {
+        lock_map(&self.slots).len()
+    }
+
+    /// Drops the slots of a pod that left (its addresses `ips`). Their
+    /// connections take no new stream and close once their last stream
+    /// ends. Returns how many slots were dropped.
+    pub fn forget_source(&self, ips: &[IpAddr]) -> usize {
+        let mut dropped = 0;
+        lock_map(&self.slots).retain(|key, slot| {
+            if !ips.contains(&key.src_ip) {
+                return true;
+            }
+            let mut slot = lock(slot);
+            slot.detached = true;
+            for conn in &slot.conns {
+                conn.closed.store(true, Ordering::Release);
+            }
+            dropped += 1;
+            false
+        });
+        dropped
+    }
+
+    /// The slot of `key`, made on first use.
+    fn slot(&self, key: &PoolKey) -> SlotRef {
+        let mut slots = lock_map(&self.slots);
+        if let Some(slot) = slots.get(key) {
+            return Arc::clone(slot);
+        }
+        Arc::clone(slots.entry(key.clone()).or_default())
+    }
+
     /// Open pooled connections.
     pub fn open_connections(&self) -> usize {
-        let slots = self
-            .slots
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let slots = lock_map(&self.slots);
         slots
             .values()
             .map(|s| {
@@ -250,13 +376,6 @@ impl HbonePool {
         client: SocketAddr,
         service: Option<&str>,
     ) -> Result<Tunnel, HboneError> {
-        let slot = {
-            let mut slots = self
-                .slots
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            Arc::clone(slots.entry(key.clone()).or_default())
-        };
         let peer = key.dst;
         let h2_err = |source| HboneError::H2 { peer, source };
         let limit = self.settings.timeouts.connect_response;
@@ -270,7 +389,7 @@ impl HbonePool {
         let mut attempt = 0;
         let (conn, guard, stream, response) = loop {
             attempt += 1;
-            let conn = self.pick(&slot, &key, sockets).await?;
+            let conn = self.pick(&key, sockets).await?;
             let guard = StreamGuard(Arc::clone(&conn));
             let request = Request::builder()
                 .method(Method::CONNECT)
@@ -332,21 +451,23 @@ impl HbonePool {
     /// fails they fail with it.
     async fn pick(
         &self,
-        slot: &Mutex<Slot>,
         key: &PoolKey,
         sockets: &SocketFactory,
     ) -> Result<Arc<PooledConn>, HboneError> {
         let peer = key.dst;
         for _ in 0..PICK_ROUNDS {
+            let slot = self.slot(key);
             let next = {
-                let mut slot = lock(slot);
+                let mut slot = lock(&slot);
                 slot.conns.retain(|c| !c.closed.load(Ordering::Acquire));
                 let found = slot
                     .conns
                     .iter()
                     .find(|c| c.streams.load(Ordering::Acquire) < CLIENT_MAX_STREAMS)
                     .cloned();
-                if let Some(conn) = found {
+                if slot.detached {
+                    Pick::Moved
+                } else if let Some(conn) = found {
                     conn.streams.fetch_add(1, Ordering::AcqRel);
                     Pick::Take(conn)
                 } else if let Some(opening) = &slot.opening {
@@ -363,8 +484,18 @@ impl HbonePool {
                     return Ok(conn);
                 }
                 Pick::Open(tx) => {
-                    let guard = OpenGuard { slot, tx: Some(tx) };
-                    let opened = self.open(key, sockets).await;
+                    let guard = OpenGuard {
+                        slots: &self.slots,
+                        key,
+                        slot: &slot,
+                        tx: Some(tx),
+                    };
+                    let home = Home {
+                        slots: Arc::clone(&self.slots),
+                        key: key.clone(),
+                        slot: Arc::clone(&slot),
+                    };
+                    let opened = self.open(key, sockets, home).await;
                     if let Ok(conn) = &opened {
                         // Our own stream, before others can fill it.
                         conn.streams.fetch_add(1, Ordering::AcqRel);
@@ -386,6 +517,7 @@ impl HbonePool {
                     }
                     // Ready, or the opener went away: look again.
                 }
+                Pick::Moved => {}
             }
         }
         Err(HboneError::PoolBusy(peer))
@@ -396,6 +528,7 @@ impl HbonePool {
         &self,
         key: &PoolKey,
         sockets: &SocketFactory,
+        home: Home,
     ) -> Result<Arc<PooledConn>, HboneError> {
         let peer = key.dst;
         let timeouts = &self.settings.timeouts;
@@ -468,13 +601,15 @@ impl HbonePool {
             Arc::clone(&pooled),
             peer,
             self.settings.idle_timeout,
+            home,
         ));
         Ok(pooled)
     }
 }
 
 /// Runs one pooled connection: polls it, sends keep-alive PINGs, and closes
-/// it when idle too long, when a PING goes unanswered, or on error.
+/// it when idle too long ([`Home::close_reason`]), when a PING goes
+/// unanswered, or on error. Then it takes itself out of the pool.
 async fn drive(
     mut connection: h2::client::Connection<
         tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
@@ -483,6 +618,7 @@ async fn drive(
     pooled: Arc<PooledConn>,
     peer: SocketAddr,
     idle_timeout: Duration,
+    home: Home,
 ) {
     let dead = Arc::new(tokio::sync::Notify::new());
     if let Some(mut ping) = connection.ping_pong() {
@@ -509,15 +645,14 @@ async fn drive(
             },
             () = dead.notified() => break "PING timed out".to_owned(),
             _ = check.tick() => {
-                let idle = pooled.streams.load(Ordering::Acquire) == 0
-                    && pooled.idle_since.lock().is_ok_and(|t| t.elapsed() >= idle_timeout);
-                if idle {
-                    break "idle timeout".to_owned();
+                if let Some(reason) = home.close_reason(&pooled, idle_timeout) {
+                    break reason.to_owned();
                 }
             }
         }
     };
     pooled.closed.store(true, Ordering::Release);
+    home.leave(&pooled);
     tracing::info!(connection = pooled.id, %peer, %reason, "HBONE connection closed");
 }
 

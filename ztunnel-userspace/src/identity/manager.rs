@@ -140,6 +140,18 @@ impl CertManager {
         out
     }
 
+    /// Drops the certificate of `identity` (no enrolled pod has it any
+    /// more), so that pods that come and go do not pile up keys. A pod of
+    /// that identity enrolled later gets a fresh one. Returns whether one
+    /// was held.
+    pub fn forget(&self, identity: &Identity) -> bool {
+        self.issued
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(identity)
+            .is_some()
+    }
+
     /// How many certificates were replaced because of age.
     pub fn rotations(&self) -> u64 {
         self.rotations.load(std::sync::atomic::Ordering::Relaxed)
@@ -170,6 +182,11 @@ mod tests {
         let b = long.certified_key(&id).expect("cached");
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(long.dump().len(), 1);
+        assert!(long.forget(&id));
+        assert!(long.dump().is_empty());
+        assert!(!long.forget(&id));
+        let c = long.certified_key(&id).expect("issued again");
+        assert!(!Arc::ptr_eq(&a, &c));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -71,6 +71,19 @@ impl Shared {
             .enforce(&self.state.current(), &self.metrics)
     }
 
+    /// Drops what the proxy kept for a pod that left (addresses `ips`): its
+    /// HBONE pool slots, and `identity`'s certificate when no enrolled pod
+    /// has that identity any more.
+    pub fn forget_pod(&self, ips: &[IpAddr], identity: Option<&Identity>) {
+        let slots = self.pool.forget_source(ips);
+        let certificate = identity.is_some_and(|id| self.certs.forget(id));
+        tracing::debug!(
+            slots,
+            certificate,
+            "dropped the pool slots and certificate of a removed pod"
+        );
+    }
+
     /// The enrolled pod owning `ip`, when the same-node fast path is on.
     pub fn local_pod(&self, ip: IpAddr) -> Option<PodContext> {
         let pods = self.local_pods.as_ref()?;

@@ -45,6 +45,9 @@ pub struct OutboundContext {
 
 /// Accepts forever (until the task is aborted on pod removal).
 pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
+    // Shared by the pod's connections: a clone per connection would copy
+    // the pod's names and addresses into every one of them.
+    let ctx = Arc::new(ctx);
     let accept = AcceptLoop::pod(
         ListenerKind::Outbound,
         ctx.shared.limits.pod(&ctx.pod.uid),
@@ -62,7 +65,7 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
             };
             let id = next_connection_id();
             let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", src = %client, dst = tracing::field::Empty);
-            let ctx = ctx.clone();
+            let ctx = Arc::clone(&ctx);
             Some(
                 async move {
                     let result = if let Some(dst) = orig {
@@ -114,7 +117,11 @@ pub async fn handle(
 ) -> Result<(), ProxyError> {
     stream.set_nodelay(true)?;
     let client_port = stream.peer_addr().map_or(0, |a| a.port());
-    let (upstream, record) = match open(dst, client_port, ctx).await {
+    // Opening (routing, a connect, and when no pooled connection has room
+    // the TLS and HTTP/2 handshakes) is a future of several KiB, which
+    // would stay in the connection's task for its whole life, idle or not;
+    // boxed, it is freed once the upstream is open.
+    let (upstream, record) = match Box::pin(open(dst, client_port, ctx)).await {
         Ok(opened) => opened,
         Err(e) => {
             // The application's connect already succeeded (to us): a reset

@@ -85,6 +85,8 @@ pub enum SocksError {
 
 /// Accepts SOCKS5 clients forever.
 pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
+    // One copy for all connections (see `outbound::serve`).
+    let ctx = std::sync::Arc::new(ctx);
     let accept = AcceptLoop::pod(
         ListenerKind::Socks5,
         ctx.shared.limits.pod(&ctx.pod.uid),
@@ -94,7 +96,7 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
         .run(listener, |stream, client| {
             let id = next_connection_id();
             let span = tracing::info_span!("conn", id, pod = %ctx.pod.uid, direction = "outbound", via = "socks5", src = %client, dst = tracing::field::Empty);
-            let ctx = ctx.clone();
+            let ctx = std::sync::Arc::clone(&ctx);
             Some(
                 async move {
                     if let Err(e) = session(stream, &ctx).await {
@@ -131,7 +133,8 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
         }
     };
     tracing::Span::current().record("dst", tracing::field::display(dst));
-    match outbound::open(dst, client.port(), ctx).await {
+    // Boxed for the reason given in `outbound::handle`.
+    match Box::pin(outbound::open(dst, client.port(), ctx)).await {
         Ok((upstream, record)) => {
             reply(&mut stream, Reply::Ok).await?;
             outbound::carry(stream, upstream, record)
