@@ -7,6 +7,8 @@
 //! - [`server`]: the 15008 side. Terminates TLS and `CONNECT`, checks the
 //!   target, connects to the application from inside the pod with the
 //!   client's IP as source.
+//! - [`linger`]: a server connection's close waits (bounded) for the
+//!   client's end of stream, so that no unread frame turns it into a reset.
 //! - [`copy`]: moves bytes between a TCP socket and an HTTP/2 stream with
 //!   back-pressure both ways and half-close.
 //!
@@ -17,6 +19,7 @@
 //! closed after 5 min (after 10 s when another of the same slot is idle).
 
 pub mod copy;
+mod linger;
 pub mod pool;
 pub mod server;
 

@@ -25,6 +25,8 @@ use std::{
 
 use bytes::Bytes;
 use h2::server::SendResponse;
+
+use super::linger::{LINGER, Lingering};
 use http::{Method, Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
@@ -173,7 +175,10 @@ async fn connection(
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_concurrent_streams(SERVER_MAX_STREAMS)
-        .handshake::<_, Bytes>(tls);
+        // Its shutdown waits for the client's end of stream: a close with
+        // the client's last frames unread would reset the connection and
+        // lose the tail of the last stream (see `linger`).
+        .handshake::<_, Bytes>(Lingering::new(tls, LINGER));
     let mut h2 = within(
         Phase::H2Handshake,
         timeouts.h2_handshake,
