@@ -105,7 +105,19 @@ pub fn build(vm_dir: &Path, kernel: &Kernel) -> Result<PathBuf> {
         kernel.root.display()
     );
     write_executable(&staging.join("bin/zt-modprobe"), &helper)?;
-    write_executable(&staging.join("init"), &init_script(TEST_MODULES))?;
+    // The guest's fresh tmpfs on /tmp and /run would hide a workspace that
+    // lives there (a clone in /tmp): the job could not even `cd` into it.
+    let workspace = vm_dir
+        .parent()
+        .and_then(Path::parent)
+        .context("the VM folder is not <workspace>/target/vm")?;
+    let hidden = [Path::new("/tmp"), Path::new("/run")]
+        .iter()
+        .any(|d| workspace.starts_with(d));
+    write_executable(
+        &staging.join("init"),
+        &init_script(TEST_MODULES, hidden.then_some(workspace)),
+    )?;
 
     let file =
         std::fs::File::create(&partial).with_context(|| format!("create {}", partial.display()))?;
@@ -153,8 +165,21 @@ fn write_executable(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-fn init_script(test_modules: &[&str]) -> String {
+/// The guest's init. `expose`: a host folder under `/tmp` or `/run` to
+/// show through the guest's own tmpfs there (bound from a second view of
+/// the host root taken before the tmpfs goes on).
+fn init_script(test_modules: &[&str], expose: Option<&Path>) -> String {
     let preload = test_modules.join(" ");
+    let (keep_view, rebind) = match expose {
+        Some(dir) => {
+            let dir = dir.display();
+            (
+                "mkdir -p /hostview && mount -o bind /newroot /hostview || fail \"cannot bind the host root\"".to_owned(),
+                format!("mkdir -p /newroot{dir} && mount -o bind /hostview{dir} /newroot{dir} || fail \"cannot show {dir} in the guest\""),
+            )
+        }
+        None => (String::new(), String::new()),
+    };
     format!(
         r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -166,7 +191,9 @@ for m in $(cat /mod/order); do insmod /mod/$m || echo "ZT_VM insmod $m failed"; 
 echo "ZT_VM_INIT $(uname -r)"
 fail() {{ echo "ZT_VM $1"; echo "{DONE_MARKER}99"; poweroff -f; }}
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144,cache=loose hostroot /newroot || fail "cannot mount the host root"
+{keep_view}
 for d in tmp run; do mount -t tmpfs $d /newroot/$d; done
+{rebind}
 mount -t proc proc /newroot/proc
 mount -t sysfs sys /newroot/sys
 mount -t devtmpfs dev /newroot/dev
