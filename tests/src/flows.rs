@@ -189,3 +189,12 @@ pub fn write_config_with(
     std::fs::write(&path, yaml).expect("write config");
     path
 }
+
+/// The number after `key=` in a helper's result line (`RESULT ...`,
+/// `CONN ...`); panics naming the key and line when it is missing.
+pub fn field(line: &str, key: &str) -> u64 {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+}

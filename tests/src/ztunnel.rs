@@ -183,6 +183,19 @@ impl Ztunnel {
         z
     }
 
+    /// `/metrics` of the ztunnel of `node`, fetched from inside the node by
+    /// a process in `cg`.
+    pub fn metrics_of(cluster: &Cluster, node: usize, cg: &TestCgroup) -> String {
+        let (status, body) = Self::http_get(
+            &cluster.node(node).netns().path(),
+            &cg.procs(),
+            "127.0.0.1:15020",
+            "/metrics",
+        );
+        assert_eq!(status, 200, "GET /metrics: {body}");
+        body
+    }
+
     /// Resident memory of the ztunnel process, in KiB (`VmRSS`).
     pub fn rss_kib(&self) -> u64 {
         self.status_kib("VmRSS")

@@ -22,18 +22,6 @@ use ztunnel_tests::{
     ztunnel::{Ztunnel, sibling_bin},
 };
 
-/// `/metrics` of the ztunnel of `node`, fetched from inside the node.
-fn metrics(cluster: &Cluster, node: usize, cg: &TestCgroup) -> String {
-    let (status, body) = Ztunnel::http_get(
-        &cluster.node(node).netns().path(),
-        &cg.procs(),
-        "127.0.0.1:15020",
-        "/metrics",
-    );
-    assert_eq!(status, 200, "GET /metrics: {body}");
-    body
-}
-
 /// The value of the series `series` (name and labels as printed), or 0.
 fn value(text: &str, series: &str) -> u64 {
     text.lines()
@@ -60,7 +48,7 @@ fn wait_for_value(
 ) -> String {
     let deadline = Instant::now() + ztunnel_tests::patience(Duration::from_secs(15));
     loop {
-        let text = metrics(cluster, node, cg);
+        let text = Ztunnel::metrics_of(cluster, node, cg);
         if value(&text, series) == want {
             return text;
         }
@@ -243,7 +231,7 @@ fn connections_over_the_pod_and_node_limits_are_refused_at_once() {
         z.count_log_lines(&["limit reached", "pod=b2", "limit=\"node_connections\""]) == 1,
         "the node limit's warning names the pod refused"
     );
-    let text = metrics(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
     eprintln!(
         "limits: {} pod, {} node refusals; {} open",
         reached(&text, "pod_connections"),
@@ -259,7 +247,7 @@ fn connections_over_the_pod_and_node_limits_are_refused_at_once() {
     for i in 0..3 {
         refused(plain, to_b1, &format!("b1-flood-{i}"));
     }
-    let text = metrics(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(reached(&text, "pod_connections"), 4, "{text}");
     assert_eq!(
         z.count_log_lines(&["limit reached", "pod=b1", "limit=\"pod_connections\""]),
@@ -325,7 +313,7 @@ fn hbone_handshakes_in_progress_are_limited_and_counted_on_the_server() {
     let mut slowloris = stall(cluster.pod("plain"), hbone, STALLED, 5, 8);
     let opened = slowloris.read_line(Duration::from_secs(30));
     assert!(opened.starts_with("OPENED "), "{opened}");
-    let text = metrics(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(
         value(&text, "ztunnel_hbone_pending_handshakes"),
         MAX_HANDSHAKES as u64,
@@ -341,7 +329,7 @@ fn hbone_handshakes_in_progress_are_limited_and_counted_on_the_server() {
         "refused handshakes were held {} ms",
         result.max_close_ms
     );
-    let text = metrics(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(
         reached(&text, "hbone_handshakes"),
         (STALLED - MAX_HANDSHAKES) as u64,
@@ -365,7 +353,7 @@ fn hbone_handshakes_in_progress_are_limited_and_counted_on_the_server() {
             ..ClientRun::default()
         },
     ));
-    let text = metrics(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
     let handshakes = |side: &str, outcome: &str| {
         value(
             &text,
@@ -449,7 +437,7 @@ fn enrolment_clients_over_the_limit_are_told_and_closed() {
     );
     assert!(took < AT_ONCE, "the refusal took {took:?}");
     z.wait_for_log("limit=\"enrol_clients\"", Duration::from_secs(5));
-    let text = metrics(&cluster, node, &cg);
+    let text = Ztunnel::metrics_of(&cluster, node, &cg);
     assert_eq!(reached(&text, "enrol_clients"), 1, "{text}");
 
     drop(silent);
@@ -514,7 +502,7 @@ fn a_flood_on_the_metrics_port_is_capped_and_silent_clients_are_dropped() {
         "silent clients held {} ms",
         held.max_close_ms
     );
-    let text = metrics(&cluster, n, &cg);
+    let text = Ztunnel::metrics_of(&cluster, n, &cg);
     assert_eq!(
         reached(&text, "admin_connections"),
         ADMIN_EXTRA as u64,
@@ -650,7 +638,7 @@ fn accept_backs_off_when_out_of_file_descriptors_and_serves_again() {
     flows::assert_ok(&done);
     flows::assert_ok(&flows::client(plain, to_b1, &run));
     let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
-    let text = metrics(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
     let errors = value(
         &text,
         "ztunnel_accept_errors_total{listener=\"inbound_plaintext\",kind=\"process_fd_limit\"}",

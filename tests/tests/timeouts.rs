@@ -11,6 +11,7 @@ use std::{
 use ztunnel_tests::{
     Cluster,
     cgroup::TestCgroup,
+    flows::field,
     flows::{self, ClientRun, WorkloadEntry},
     probe_bin,
     process::PodProcess,
@@ -33,18 +34,6 @@ fn fd_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
 
-/// `/metrics` of the ztunnel of `node`, fetched from inside the node.
-fn metrics(cluster: &Cluster, node: usize, cg: &TestCgroup) -> String {
-    let (status, body) = Ztunnel::http_get(
-        &cluster.node(node).netns().path(),
-        &cg.procs(),
-        "127.0.0.1:15020",
-        "/metrics",
-    );
-    assert_eq!(status, 200, "GET /metrics: {body}");
-    body
-}
-
 /// The value of `ztunnel_timeouts_total{phase="<phase>"}` (0 when absent).
 fn timeouts(text: &str, phase: &str) -> u64 {
     let prefix = format!("ztunnel_timeouts_total{{phase=\"{phase}\"}} ");
@@ -52,14 +41,6 @@ fn timeouts(text: &str, phase: &str) -> u64 {
         .find_map(|l| l.strip_prefix(&prefix))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
-}
-
-/// `key=value` from a `RESULT` line.
-fn field(line: &str, key: &str) -> u64 {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
 }
 
 /// The `RESULT` line of a `zt-hostile` run.
@@ -175,7 +156,7 @@ fn a_slowloris_on_the_hbone_port_is_cut_off_and_counted() {
     );
 
     let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
-    let text = metrics(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(
         timeouts(&text, "tls_handshake"),
         STALLED as u64,
@@ -316,7 +297,7 @@ fn a_black_holed_peer_fails_fast_and_stalls_no_other_destination() {
         "the timeout warning names the peer"
     );
     let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
-    let text = metrics(&cluster, a, &cg);
+    let text = Ztunnel::metrics_of(&cluster, a, &cg);
     let counted = timeouts(&text, "connect");
     assert!(
         (1..=BLACK_HOLED_CLIENTS as u64).contains(&counted),
@@ -387,5 +368,8 @@ fn an_application_that_never_accepts_gets_the_hbone_client_a_504() {
     zb.wait_for_log("status=504", Duration::from_secs(5));
     za.wait_for_log("504 Gateway Timeout", Duration::from_secs(5));
     let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
-    assert_eq!(timeouts(&metrics(&cluster, b, &cg), "connect"), 1);
+    assert_eq!(
+        timeouts(&Ztunnel::metrics_of(&cluster, b, &cg), "connect"),
+        1
+    );
 }

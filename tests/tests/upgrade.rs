@@ -10,6 +10,7 @@ use std::{net::SocketAddr, time::Duration};
 use nix::sys::signal::Signal;
 use ztunnel_tests::{
     Cluster, Pod,
+    flows::field,
     flows::{self, ClientRun, WorkloadEntry},
     probe_bin,
     process::PodProcess,
@@ -54,14 +55,6 @@ fn beat(pod: &Pod, dst: SocketAddr) -> PodProcess {
         "5",
     ]);
     PodProcess::spawn("beat", cmd)
-}
-
-/// `key=value` of a result line.
-fn field(line: &str, key: &str) -> u64 {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
 }
 
 /// Starts a second ztunnel for `node`, lets both run, then stops the old
