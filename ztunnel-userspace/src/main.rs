@@ -94,7 +94,8 @@ struct RunArgs {
     tc_mode: capture::tc::TcMode,
     /// On exit, remove every attachment and pin ztunnel made. Without it
     /// they stay (while pods are enrolled) so that capture fails closed and
-    /// a restarted ztunnel takes over without a window.
+    /// a restarted ztunnel takes over without a window. Either way nothing
+    /// is removed when another ztunnel has taken over (an upgrade).
     #[arg(long, env = "ZTUNNEL_CLEANUP")]
     cleanup: bool,
     /// Local-mode config file (workloads, services; watched for changes).
