@@ -1,5 +1,12 @@
-//! Embeds the kernel object built by `cargo xtask build-ebpf`.
+//! Generates the protobuf messages and embeds the kernel object built by
+//! `cargo xtask build-ebpf`.
 //!
+//! Protobuf: every `.proto` in `proto/` (Istio's wire contracts, with
+//! Istio's package names and field numbers) is compiled with protox (pure
+//! Rust, no `protoc` needed) and turned into Rust by prost-build, one file
+//! per package in `OUT_DIR`.
+//!
+//! eBPF:
 //! There is exactly one builder (xtask). This script only checks that the
 //! object it finds was built from the current eBPF sources, using the same
 //! code xtask uses to stamp it, and refuses to build otherwise: a stale or
@@ -13,6 +20,40 @@ mod ebpf_artifact;
 use std::path::PathBuf;
 
 fn main() {
+    compile_protos();
+    embed_ebpf();
+}
+
+fn compile_protos() {
+    let dir = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
+    )
+    .join("proto");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("ztunnel-userspace/proto is part of the crate")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "proto"))
+        .collect();
+    files.sort();
+    println!("cargo:rerun-if-changed={}", dir.display());
+    for file in &files {
+        println!("cargo:rerun-if-changed={}", file.display());
+    }
+    let descriptors = match protox::compile(&files, [&dir]) {
+        Ok(descriptors) => descriptors,
+        Err(e) => {
+            eprintln!("error: a .proto file in {} does not compile: {e:?}", dir.display());
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = prost_build::Config::new().compile_fds(descriptors) {
+        eprintln!("error: generating Rust from the .proto files failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn embed_ebpf() {
     let manifest = PathBuf::from(
         std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
     );

@@ -62,6 +62,9 @@ pub struct AdminState {
     pub log_control: LogControl,
     /// The capture cgroup.
     pub cgroup: std::path::PathBuf,
+    /// The node agent connection, when ztunnel dials one: readiness waits
+    /// for its snapshot and for its pending pods.
+    pub node_agent: Option<Arc<crate::enrol::zds::node_agent::NodeAgentStatus>>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -208,10 +211,20 @@ fn route(kind: Kind, req: &Request<Incoming>, state: &AdminState) -> Response<Bo
             )
         }
         (Kind::Readiness, "/healthz/ready") => {
-            if state.ready.load(Ordering::Acquire) {
-                reply(StatusCode::OK, "text/plain", "ready\n")
-            } else {
+            let agent = state
+                .node_agent
+                .as_ref()
+                .map_or(Ok(()), |agent| agent.ready());
+            if !state.ready.load(Ordering::Acquire) {
                 reply(StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n")
+            } else if let Err(why) = agent {
+                reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("not ready: {why}\n"),
+                )
+            } else {
+                reply(StatusCode::OK, "text/plain", "ready\n")
             }
         }
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n"),

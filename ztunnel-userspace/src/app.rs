@@ -54,8 +54,10 @@ pub struct Settings {
     pub node_name: String,
     /// Capture exclusions.
     pub exclusions: Exclusions,
-    /// Enrolment socket path (None: disabled).
+    /// Enrolment socket path ztunnel listens on (None: disabled).
     pub enrol_socket: Option<PathBuf>,
+    /// Istio's node agent socket, which ztunnel dials (None: disabled).
+    pub node_agent_socket: Option<PathBuf>,
     /// How long to wait for pods to be re-enrolled before removing the
     /// kernel state an earlier ztunnel left for them.
     pub reconcile_grace: Duration,
@@ -201,10 +203,14 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
             tc_mode = ?settings.tc_mode.resolve(),
             "capture programs attached"
         );
-    } else {
+    } else if settings.capture == capture::Backend::Iptables {
         // The programs are loaded (their maps back the counters and the
         // dump) but nothing is attached: pods get iptables rules instead.
         tracing::info!("capture backend: iptables (REDIRECT rules in each pod)");
+    } else {
+        tracing::info!(
+            "capture backend: istio-cni (its rules in each pod; ztunnel attaches nothing)"
+        );
     }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -225,6 +231,26 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         .map_err(Box::new)?,
     );
 
+    if let (Some(listen), Some(dial)) = (&settings.enrol_socket, &settings.node_agent_socket)
+        && listen == dial
+    {
+        return Err(AppError::Zds(ZdsError::Refused(format!(
+            "--enrol-socket and --node-agent-socket are both {}: ztunnel cannot listen where \
+             the node agent listens; give --enrol-socket another path",
+            listen.display()
+        ))));
+    }
+    // Dialled before readiness is served: readiness waits for its snapshot.
+    let node_agent = match &settings.node_agent_socket {
+        Some(path) => {
+            tracing::info!(socket = %path.display(), "dialling the node agent (ZDS)");
+            Some(enrol::zds::node_agent::start(
+                path.clone(),
+                Arc::clone(&registry),
+            )?)
+        }
+        None => None,
+    };
     let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let metrics = Arc::clone(&registry.shared().metrics);
     crate::admin::start(
@@ -235,6 +261,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
             ready: Arc::clone(&ready),
             log_control,
             cgroup: cgroup_dir.clone(),
+            node_agent: node_agent.clone(),
         }),
     )?;
     if let Some(config) = &initial {
@@ -259,7 +286,18 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     {
         let registry = Arc::clone(&registry);
         let grace = settings.reconcile_grace;
+        let node_agent = node_agent.clone();
         std::thread::spawn(move || {
+            // The node agent's pods are known only once its snapshot is in:
+            // until then their kernel state (fail closed) is not stale.
+            if let Some(agent) = &node_agent {
+                while !agent.synced() {
+                    if *registry.shared().draining.borrow() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
             std::thread::sleep(grace);
             match registry.remove_stale_kernel_state() {
                 Ok(removed) => tracing::debug!(removed, "stale kernel state check done"),

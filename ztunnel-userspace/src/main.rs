@@ -121,9 +121,18 @@ struct RunArgs {
     /// address (comma-separated).
     #[arg(long, env = "ZTUNNEL_EXCLUDE_INBOUND_CIDRS", value_delimiter = ',')]
     exclude_inbound_cidrs: Vec<Cidr>,
-    /// Enrolment socket (ZDS protocol) for CNI plugins and `ztunnel enrol`.
-    #[arg(long, env = "ZTUNNEL_ENROL_SOCKET", default_value = zds::DEFAULT_SOCKET)]
-    enrol_socket: PathBuf,
+    /// Enrolment socket ztunnel listens on (ZDS messages), for the
+    /// ztunnel-cni plugin and `ztunnel enrol`. Default
+    /// /var/run/ztunnel/ztunnel.sock, except with --capture istio-cni, where
+    /// that path is istio-cni's and ztunnel listens on none unless told.
+    #[arg(long, env = "ZTUNNEL_ENROL_SOCKET")]
+    enrol_socket: Option<PathBuf>,
+    /// Istio's node agent (istio-cni) socket, which ztunnel dials to be
+    /// given pods (ZDS, as Istio's ztunnel). Default
+    /// /var/run/ztunnel/ztunnel.sock with --capture istio-cni, otherwise
+    /// none.
+    #[arg(long, env = "INPOD_UDS")]
+    node_agent_socket: Option<PathBuf>,
     /// Seconds to wait for pods to be re-enrolled after a restart before the
     /// kernel state left for them is removed.
     #[arg(long, env = "ZTUNNEL_RECONCILE_GRACE", default_value_t = 10)]
@@ -349,7 +358,12 @@ fn settings(args: RunArgs) -> app::Settings {
             inbound_ports: args.exclude_inbound_ports,
             inbound_cidrs: args.exclude_inbound_cidrs,
         },
-        enrol_socket: Some(args.enrol_socket),
+        enrol_socket: args.enrol_socket.or_else(|| {
+            (args.capture != capture::Backend::IstioCni).then(|| zds::DEFAULT_SOCKET.into())
+        }),
+        node_agent_socket: args.node_agent_socket.or_else(|| {
+            (args.capture == capture::Backend::IstioCni).then(|| zds::DEFAULT_SOCKET.into())
+        }),
         reconcile_grace: Duration::from_secs(args.reconcile_grace),
         worker_threads: args.worker_threads,
         ca: match (args.ca_cert, args.ca_key) {

@@ -27,6 +27,25 @@ pub enum Backend {
     /// iptables REDIRECT rules inside each pod (fallback and benchmark
     /// baseline).
     Iptables,
+    /// Istio's node agent (istio-cni) has put its own rules in each pod
+    /// and hands the pods over by ZDS: ztunnel captures nothing itself,
+    /// opens the same in-pod listeners and reads `SO_ORIGINAL_DST`.
+    IstioCni,
+}
+
+impl Backend {
+    /// Whether the original destination comes from `SO_ORIGINAL_DST`
+    /// (iptables `REDIRECT`, ours or istio-cni's) rather than the eBPF
+    /// records.
+    pub fn original_dst_from_sockopt(self) -> bool {
+        self != Self::Ebpf
+    }
+
+    /// Whether ztunnel sets up the reply routing in each pod (istio-cni
+    /// brings its own: a connmark and route table 100).
+    pub fn owns_pod_routing(self) -> bool {
+        self != Self::IstioCni
+    }
 }
 
 /// Errors of capture management; each names the object at fault.

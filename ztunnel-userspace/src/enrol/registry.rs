@@ -44,8 +44,10 @@ pub const POD_INTERFACE: &str = "eth0";
 pub enum Source {
     /// The local config file.
     Config,
-    /// The enrolment socket (CNI plugin or `ztunnel enrol`).
+    /// The listening enrolment socket (our CNI plugin or `ztunnel enrol`).
     Socket,
+    /// Istio's node agent (istio-cni), which ztunnel dials.
+    NodeAgent,
 }
 
 /// A request to enrol one pod.
@@ -350,8 +352,8 @@ impl PodRegistry {
             uid: uid.clone(),
             source: Box::new(e),
         })?;
-        let iptables = self.backend == crate::capture::Backend::Iptables;
-        if iptables {
+        let backend = self.backend;
+        if backend == crate::capture::Backend::Iptables {
             crate::capture::iptables::install(&req.netns, &self.exclusions)
                 .map_err(|e| io(std::io::Error::other(e)))?;
             let netns = req.netns.try_clone().map_err(io)?;
@@ -359,14 +361,15 @@ impl PodRegistry {
                 crate::capture::iptables::remove(&netns).map_err(|e| e.to_string())
             });
         }
-        let (ingress, lookup) = if iptables {
-            (None, None)
-        } else {
+        let ebpf = backend == crate::capture::Backend::Ebpf;
+        let (ingress, lookup) = if ebpf {
             let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
             self.attach_kernel(&mut programs.ebpf, &req, cookie, flags, &ips, &listeners)
                 .map_err(capture_err)?
+        } else {
+            (None, None)
         };
-        if !iptables {
+        if ebpf {
             let netns = req.netns.try_clone().map_err(io)?;
             let (ingress, lookup) = (ingress.clone(), lookup.clone());
             rollback.push("kernel attachments", move || {
@@ -374,8 +377,8 @@ impl PodRegistry {
             });
         }
 
-        pod_routing::install(&req.netns).map_err(|e| io(std::io::Error::other(e)))?;
-        {
+        if backend.owns_pod_routing() {
+            pod_routing::install(&req.netns).map_err(|e| io(std::io::Error::other(e)))?;
             let netns = req.netns.try_clone().map_err(io)?;
             rollback.push("reply routing", move || {
                 pod_routing::remove(&netns).map_err(|e| e.to_string())
@@ -387,7 +390,7 @@ impl PodRegistry {
             ips,
             netns_cookie: cookie,
             sockets,
-            orig_dst_sockopt: iptables,
+            orig_dst_sockopt: backend.original_dst_from_sockopt(),
         };
         // The last step that can fail: it stops what it started itself.
         let tasks = self.spawn_listeners(&context, listeners)?;
@@ -640,7 +643,9 @@ impl PodRegistry {
         {
             tracing::warn!(pod = %uid, error = %e, "could not remove iptables rules");
         }
-        if let Err(e) = pod_routing::remove(&pod.netns) {
+        if self.backend.owns_pod_routing()
+            && let Err(e) = pod_routing::remove(&pod.netns)
+        {
             tracing::warn!(pod = %uid, error = %e, "could not remove reply routing");
         }
         tracing::info!(pod = %uid, netns = %pod.netns_name, "pod removed");
