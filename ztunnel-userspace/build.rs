@@ -43,7 +43,10 @@ fn compile_protos() {
     let descriptors = match protox::compile(&files, [&dir]) {
         Ok(descriptors) => descriptors,
         Err(e) => {
-            eprintln!("error: a .proto file in {} does not compile: {e:?}", dir.display());
+            eprintln!(
+                "error: a .proto file in {} does not compile: {e:?}",
+                dir.display()
+            );
             std::process::exit(1);
         }
     };

@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod flows;
 pub mod kernel;
 pub mod netns;
+pub mod node_agent;
 pub mod pattern;
 pub mod process;
 pub mod raw_tcp;

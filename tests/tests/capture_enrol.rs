@@ -130,30 +130,30 @@ fn malformed_enrolment_messages_are_refused_with_a_reason() {
     let mut cluster = Cluster::new();
     let node = cluster.add_node("node-a");
     let z = Ztunnel::start(&cluster, node, &[]);
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::empty(),
-        None,
-    )
-    .expect("socket");
-    connect(fd.as_raw_fd(), &UnixAddr::new(&z.socket).expect("addr")).expect("connect");
-    for garbage in [
-        &[0xffu8, 0xff, 0xff][..],
-        &[0x0a, 0x03, 0x0a, 0x01, 0x41][..],
+    // Each breaks the protocol: answered with the reason, then the
+    // connection is closed (a node agent starts over with a snapshot).
+    for (garbage, reason) in [
+        (&[0xffu8, 0xff, 0xff][..], "malformed ZDS message"),
+        // A well-formed `add` without an fd.
+        (&[0x0a, 0x03, 0x0a, 0x01, 0x41][..], "add must carry 1 fd"),
     ] {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::empty(),
+            None,
+        )
+        .expect("socket");
+        connect(fd.as_raw_fd(), &UnixAddr::new(&z.socket).expect("addr")).expect("connect");
         send(fd.as_raw_fd(), garbage, MsgFlags::empty()).expect("send");
         let mut buf = [0u8; 4096];
         let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).expect("recv");
         let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
-        // The second message is a well-formed `add` without an fd.
-        assert!(
-            reply.contains("malformed enrolment message")
-                || reply.contains("no network namespace fd"),
-            "{reply:?}"
-        );
+        assert!(reply.contains(reason), "{reply:?}");
+        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).expect("recv");
+        assert_eq!(n, 0, "the connection stays open after a protocol error");
     }
-    z.wait_for_log("enrolment request refused", Duration::from_secs(2));
+    z.wait_for_log("enrolment protocol error", Duration::from_secs(2));
 }
 
 #[test]

@@ -59,10 +59,8 @@ pub fn request_within(
         None,
     )
     .map_err(sock_err)?;
-    let timeval = nix::sys::time::TimeVal::new(
-        limit.as_secs() as i64,
-        i64::from(limit.subsec_micros()),
-    );
+    let timeval =
+        nix::sys::time::TimeVal::new(limit.as_secs() as i64, i64::from(limit.subsec_micros()));
     setsockopt(&fd, sockopt::ReceiveTimeout, &timeval).map_err(sock_err)?;
     setsockopt(&fd, sockopt::SendTimeout, &timeval).map_err(sock_err)?;
     let timeout = |e: nix::Error| match e {

@@ -212,10 +212,15 @@ mod tests {
         // first, hand-written struct) decodes there as an empty uid.
         let golden = [0x12, 0x04, 0x12, 0x02, b'u', b'1'];
         assert_eq!(
-            request(workload_request::Payload::Del(DelWorkload { uid: "u1".into() })),
+            request(workload_request::Payload::Del(DelWorkload {
+                uid: "u1".into()
+            })),
             golden
         );
-        match WorkloadRequest::decode(&golden[..]).expect("decode").payload {
+        match WorkloadRequest::decode(&golden[..])
+            .expect("decode")
+            .payload
+        {
             Some(workload_request::Payload::Del(del)) => assert_eq!(del.uid, "u1"),
             other => panic!("decoded {other:?}"),
         }
@@ -236,7 +241,9 @@ mod tests {
             [0x1a, 0x00]
         );
         assert_eq!(
-            request(workload_request::Payload::Keep(KeepWorkload { uid: "u1".into() })),
+            request(workload_request::Payload::Keep(KeepWorkload {
+                uid: "u1".into()
+            })),
             [0x2a, 0x04, 0x0a, 0x02, b'u', b'1']
         );
     }

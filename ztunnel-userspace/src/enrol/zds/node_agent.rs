@@ -55,7 +55,9 @@ impl NodeAgentStatus {
         }
         match self.pending.load(Ordering::Acquire) {
             0 => Ok(()),
-            n => Err(format!("{n} pod(s) from the node agent could not be enrolled yet")),
+            n => Err(format!(
+                "{n} pod(s) from the node agent could not be enrolled yet"
+            )),
         }
     }
 
@@ -73,10 +75,7 @@ impl NodeAgentStatus {
 /// Starts the thread that dials the node agent at `path` and serves it for
 /// as long as the process runs (until it drains). Pods it enrols are of
 /// [`Source::NodeAgent`].
-pub fn start(
-    path: PathBuf,
-    registry: Arc<PodRegistry>,
-) -> Result<Arc<NodeAgentStatus>, ZdsError> {
+pub fn start(path: PathBuf, registry: Arc<PodRegistry>) -> Result<Arc<NodeAgentStatus>, ZdsError> {
     let status = Arc::new(NodeAgentStatus::default());
     let thread_status = Arc::clone(&status);
     std::thread::Builder::new()

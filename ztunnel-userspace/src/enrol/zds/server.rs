@@ -9,8 +9,8 @@ use std::{
 };
 
 use nix::sys::socket::{
-    AddressFamily, Backlog, MsgFlags, SockFlag, SockType, UnixAddr, accept, bind, listen,
-    sendmsg, socket,
+    AddressFamily, Backlog, MsgFlags, SockFlag, SockType, UnixAddr, accept, bind, listen, sendmsg,
+    socket,
 };
 
 use super::{ZdsError, session::Session, wire};

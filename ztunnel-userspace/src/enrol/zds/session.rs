@@ -157,7 +157,9 @@ impl<'a> Session<'a> {
             }
             Payload::SnapshotSent(_) => {
                 if self.snapshot_done {
-                    return Reply::Close("snapshot_sent was already received on this connection".into());
+                    return Reply::Close(
+                        "snapshot_sent was already received on this connection".into(),
+                    );
                 }
                 self.snapshot_done = true;
                 let keep: HashSet<String> = self
@@ -169,7 +171,10 @@ impl<'a> Session<'a> {
                 match self.registry.reconcile(self.source, &keep) {
                     Ok(removed) => {
                         if !removed.is_empty() {
-                            tracing::info!(?removed, "snapshot reconciled: removed pods not re-sent");
+                            tracing::info!(
+                                ?removed,
+                                "snapshot reconciled: removed pods not re-sent"
+                            );
                         }
                         Reply::Ack(String::new())
                     }
