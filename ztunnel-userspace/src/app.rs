@@ -139,11 +139,26 @@ pub enum AppError {
 
 /// Runs the daemon until SIGTERM/SIGINT, then drains.
 pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result<(), AppError> {
+    if let (Some(listen), Some(dial)) = (&settings.enrol_socket, &settings.node_agent_socket)
+        && listen == dial
+    {
+        return Err(AppError::Zds(ZdsError::Refused(format!(
+            "--enrol-socket and --node-agent-socket are both {}: ztunnel cannot listen where \
+             the node agent listens; give --enrol-socket another path",
+            listen.display()
+        ))));
+    }
+    // With istio-cni capturing, ztunnel touches neither cgroups nor bpffs:
+    // it needs no BPF capability and no mount of either.
+    let kernel = settings.capture != capture::Backend::IstioCni;
     let cgroup_dir = match &settings.cgroup {
         Some(dir) => dir.clone(),
-        None => cgroup::cgroup2_mount()?,
+        None if kernel => cgroup::cgroup2_mount()?,
+        None => PathBuf::new(),
     };
-    cgroup::validate(&cgroup_dir)?;
+    if kernel {
+        cgroup::validate(&cgroup_dir)?;
+    }
     // Read the config before touching the kernel: a bad file must not leave
     // half a setup behind.
     let mut initial = settings.config.as_deref().map(local::load).transpose()?;
@@ -185,9 +200,20 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         limits,
     };
 
-    let pins = PinRoot::prepare(&settings.bpffs)?;
-    let mut programs = loader::load(&pins).map_err(Box::new)?;
-    if settings.capture == capture::Backend::Ebpf {
+    let pins = if kernel {
+        PinRoot::prepare(&settings.bpffs)?
+    } else {
+        PinRoot::unused(&settings.bpffs)
+    };
+    let mut programs = if kernel {
+        Some(loader::load(&pins).map_err(Box::new)?)
+    } else {
+        None
+    };
+    if let Some(programs) = programs
+        .as_mut()
+        .filter(|_| settings.capture == capture::Backend::Ebpf)
+    {
         // Before anything is attached: a mode the kernel lacks is a start-up
         // error, not a failure of every pod's enrolment later.
         settings.tc_mode.check().map_err(Box::new)?;
@@ -209,7 +235,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         tracing::info!("capture backend: iptables (REDIRECT rules in each pod)");
     } else {
         tracing::info!(
-            "capture backend: istio-cni (its rules in each pod; ztunnel attaches nothing)"
+            "capture backend: istio-cni (its rules in each pod; ztunnel loads no eBPF and attaches nothing)"
         );
     }
 
@@ -231,15 +257,6 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         .map_err(Box::new)?,
     );
 
-    if let (Some(listen), Some(dial)) = (&settings.enrol_socket, &settings.node_agent_socket)
-        && listen == dial
-    {
-        return Err(AppError::Zds(ZdsError::Refused(format!(
-            "--enrol-socket and --node-agent-socket are both {}: ztunnel cannot listen where \
-             the node agent listens; give --enrol-socket another path",
-            listen.display()
-        ))));
-    }
     // Dialled before readiness is served: readiness waits for its snapshot.
     let node_agent = match &settings.node_agent_socket {
         Some(path) => {
@@ -376,7 +393,9 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     if let Some(file) = &socket_file {
         file.remove_if_ours();
     }
-    if settings.cleanup || registry.is_empty() {
+    if !kernel {
+        registry.remove_all().map_err(Box::new)?;
+    } else if settings.cleanup || registry.is_empty() {
         registry.remove_all().map_err(Box::new)?;
         capture::cgroup::unpin(&pins).map_err(Box::new)?;
         drop(registry);

@@ -62,6 +62,14 @@ impl PinRoot {
         Ok(this)
     }
 
+    /// `root` as a name only, neither checked nor created: for a ztunnel
+    /// that pins nothing (`--capture istio-cni`).
+    pub fn unused(root: &Path) -> Self {
+        Self {
+            root: root.to_path_buf(),
+        }
+    }
+
     /// The root folder.
     pub fn root(&self) -> &Path {
         &self.root

@@ -103,6 +103,10 @@ pub enum EnrolError {
     /// A lock was poisoned by a panic elsewhere.
     #[error("internal state poisoned")]
     Poisoned,
+    /// A kernel step was asked of a ztunnel that loaded no programs
+    /// (`--capture istio-cni`).
+    #[error("no eBPF programs are loaded (--capture istio-cni)")]
+    NoPrograms,
 }
 
 impl EnrolError {
@@ -165,10 +169,11 @@ pub struct PodSummary {
 
 /// The enrolled pods of this node, plus the kernel programs they use.
 pub struct PodRegistry {
-    programs: Mutex<KernelPrograms>,
+    /// `None` with `--capture istio-cni`, which loads no programs.
+    programs: Mutex<Option<KernelPrograms>>,
     pins: PinRoot,
     tc_mode: TcMode,
-    orig_dst: Arc<Mutex<OrigDstTable>>,
+    orig_dst: Option<Arc<Mutex<OrigDstTable>>>,
     legs: Option<Arc<InboundLegTable>>,
     pods: Mutex<BTreeMap<String, EnrolledPod>>,
     /// Pods that are wanted but whose enrolment failed, by uid.
@@ -193,9 +198,10 @@ impl std::fmt::Debug for PodRegistry {
 }
 
 impl PodRegistry {
-    /// Takes ownership of the loaded programs.
+    /// Takes ownership of the loaded programs (none with `--capture
+    /// istio-cni`).
     pub fn new(
-        mut programs: KernelPrograms,
+        mut programs: Option<KernelPrograms>,
         pins: PinRoot,
         tc_mode: TcMode,
         runtime: tokio::runtime::Handle,
@@ -203,17 +209,22 @@ impl PodRegistry {
         backend: crate::capture::Backend,
         exclusions: crate::capture::maps::Exclusions,
     ) -> Result<Self, CaptureError> {
-        let orig_dst = OrigDstTable::take(&mut programs.ebpf)?;
-        let legs = if backend == crate::capture::Backend::Ebpf {
-            Some(Arc::new(InboundLegTable::take(&mut programs.ebpf)?))
-        } else {
-            None
+        let (orig_dst, legs) = match programs.as_mut() {
+            Some(p) => (
+                Some(Arc::new(Mutex::new(OrigDstTable::take(&mut p.ebpf)?))),
+                if backend == crate::capture::Backend::Ebpf {
+                    Some(Arc::new(InboundLegTable::take(&mut p.ebpf)?))
+                } else {
+                    None
+                },
+            ),
+            None => (None, None),
         };
         Ok(Self {
             programs: Mutex::new(programs),
             pins,
             tc_mode,
-            orig_dst: Arc::new(Mutex::new(orig_dst)),
+            orig_dst,
             legs,
             pods: Mutex::new(BTreeMap::new()),
             failed: Mutex::new(BTreeMap::new()),
@@ -225,13 +236,19 @@ impl PodRegistry {
         })
     }
 
-    /// Runs `f` with the loaded programs (counters, exclusions, dumps).
+    /// Runs `f` with the loaded programs (counters, exclusions, dumps);
+    /// `Err(NoPrograms)` when none are loaded.
     pub fn with_programs<R>(
         &self,
         f: impl FnOnce(&mut KernelPrograms) -> R,
     ) -> Result<R, EnrolError> {
         let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
-        Ok(f(&mut programs))
+        programs.as_mut().map(f).ok_or(EnrolError::NoPrograms)
+    }
+
+    /// The loaded programs, locked (`None` inside: none are loaded).
+    fn kernel(&self) -> Result<std::sync::MutexGuard<'_, Option<KernelPrograms>>, EnrolError> {
+        self.programs.lock().map_err(|_| EnrolError::Poisoned)
     }
 
     /// Enrols a pod. Enrolling the same uid with the same namespace again
@@ -308,7 +325,10 @@ impl PodRegistry {
     /// Whether an earlier ztunnel left kernel state for this namespace (its
     /// `POD_CAPTURE` entry or the pod's `sk_lookup` link pin).
     fn left_by_earlier_ztunnel(&self, cookie: u64, uid: &str) -> Result<bool, EnrolError> {
-        let programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+        let programs = self.kernel()?;
+        let Some(programs) = programs.as_ref() else {
+            return Ok(false);
+        };
         let captured = maps::pod_cookies(&programs.ebpf)
             .map_err(EnrolError::capture(uid))?
             .contains(&cookie);
@@ -363,7 +383,8 @@ impl PodRegistry {
         }
         let ebpf = backend == crate::capture::Backend::Ebpf;
         let (ingress, lookup) = if ebpf {
-            let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+            let mut programs = self.kernel()?;
+            let programs = programs.as_mut().ok_or(EnrolError::NoPrograms)?;
             self.attach_kernel(&mut programs.ebpf, &req, cookie, flags, &ips, &listeners)
                 .map_err(capture_err)?
         } else {
@@ -428,10 +449,13 @@ impl PodRegistry {
         kept: bool,
     ) -> Result<(), String> {
         let text = |e: CaptureError| e.to_string();
-        let mut programs = self
+        let mut guard = self
             .programs
             .lock()
             .map_err(|_| "kernel programs poisoned".to_owned())?;
+        let Some(programs) = guard.as_mut() else {
+            return Ok(());
+        };
         if let Some(lookup) = lookup {
             lookup::withdraw_listeners(&mut programs.ebpf, &lookup.keys).map_err(text)?;
         }
@@ -442,7 +466,7 @@ impl PodRegistry {
         if let Some(lookup) = lookup {
             lookup::detach(&lookup.pin).map_err(text)?;
         }
-        drop(programs);
+        drop(guard);
         if let Some(ingress) = ingress {
             tc::detach(netns, ingress).map_err(text)?;
         }
@@ -538,7 +562,7 @@ impl PodRegistry {
         let mut tasks = Vec::new();
         let out_ctx = OutboundContext {
             pod: pod.clone(),
-            orig_dst: Arc::clone(&self.orig_dst),
+            orig_dst: self.orig_dst.clone(),
             shared: self.shared.clone(),
         };
         let in_ctx = InboundContext::new(pod, &self.shared);
@@ -626,8 +650,7 @@ impl PodRegistry {
             local.retain(|_, p| p.uid != uid);
         }
         let capture_err = EnrolError::capture(uid);
-        {
-            let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+        if let Some(programs) = self.kernel()?.as_mut() {
             maps::remove_pod(&mut programs.ebpf, pod.cookie).map_err(capture_err)?;
             if let Some(lookup) = &pod.lookup {
                 lookup::detach(&lookup.pin).map_err(capture_err)?;
@@ -665,10 +688,10 @@ impl PodRegistry {
             return Ok(());
         };
         if failed.kept {
-            let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
-            maps::remove_pod(&mut programs.ebpf, failed.cookie)
-                .map_err(EnrolError::capture(uid))?;
-            drop(programs);
+            if let Some(programs) = self.kernel()?.as_mut() {
+                maps::remove_pod(&mut programs.ebpf, failed.cookie)
+                    .map_err(EnrolError::capture(uid))?;
+            }
             for pin in [lookup::pin_name(uid), tc::pin_name(uid)] {
                 let _ = std::fs::remove_file(self.pins.link(&pin));
             }
@@ -737,7 +760,11 @@ impl PodRegistry {
             .collect();
         drop((pods, failed));
         let mut removed = 0;
-        let mut programs = self.programs.lock().map_err(|_| EnrolError::Poisoned)?;
+        let mut guard = self.kernel()?;
+        let Some(programs) = guard.as_mut() else {
+            // Nothing of ours is in the kernel (--capture istio-cni).
+            return Ok(0);
+        };
         let err = EnrolError::capture("(stale)");
         for cookie in maps::pod_cookies(&programs.ebpf).map_err(err)? {
             if !cookies.contains(&cookie) {
@@ -861,6 +888,6 @@ impl PodRegistry {
 
     /// Consumes the registry and returns the programs (for final cleanup).
     pub fn into_programs(self) -> Option<KernelPrograms> {
-        self.programs.into_inner().ok()
+        self.programs.into_inner().ok().flatten()
     }
 }

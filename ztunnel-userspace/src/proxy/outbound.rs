@@ -38,7 +38,8 @@ pub struct OutboundContext {
     /// The pod.
     pub pod: PodContext,
     /// Shared `ORIG_DST` map.
-    pub orig_dst: Arc<Mutex<OrigDstTable>>,
+    /// `None` when no programs are loaded (`--capture istio-cni`).
+    pub orig_dst: Option<Arc<Mutex<OrigDstTable>>>,
     /// State, certificates, pool.
     pub shared: Shared,
 }
@@ -59,8 +60,8 @@ pub async fn serve(listener: TcpListener, ctx: OutboundContext) {
                 crate::capture::iptables::original_dst(&stream, client.is_ipv6()).ok()
             } else {
                 ctx.orig_dst
-                    .lock()
-                    .ok()
+                    .as_ref()
+                    .and_then(|table| table.lock().ok())
                     .and_then(|mut table| table.take_entry(ctx.pod.netns_cookie, client))
             };
             let id = next_connection_id();
