@@ -142,12 +142,7 @@ fn deploy_manifests_parse_strictly() {
         let text = std::fs::read_to_string(&file).expect("manifest");
         let objects = parse_or_panic(&text, &file.display().to_string());
         let kinds: Vec<_> = objects.iter().map(kind).collect();
-        assert_eq!(
-            kinds,
-            ["ServiceAccount", "DaemonSet"],
-            "{}",
-            file.display()
-        );
+        assert_eq!(kinds, ["ServiceAccount", "DaemonSet"], "{}", file.display());
     }
 }
 
@@ -210,7 +205,9 @@ fn env(ds: &DaemonSet) -> BTreeMap<&str, String> {
                 (Some(v), _) => v.clone(),
                 (None, Some(from)) => format!(
                     "fieldRef:{}",
-                    from.field_ref.as_ref().map_or("?", |f| f.field_path.as_str())
+                    from.field_ref
+                        .as_ref()
+                        .map_or("?", |f| f.field_path.as_str())
                 ),
                 (None, None) => String::new(),
             };
@@ -264,7 +261,11 @@ fn assert_node_facts(file: &str, capture: &str) {
     for cap in ["BPF", "PERFMON", "NET_ADMIN", "SYS_ADMIN", "NET_RAW"] {
         assert!(added.iter().any(|a| a == cap), "{file}: capability {cap}");
     }
-    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]), "{file}");
+    assert_eq!(
+        caps.drop.as_deref(),
+        Some(&["ALL".to_owned()][..]),
+        "{file}"
+    );
     assert_eq!(sc.read_only_root_filesystem, Some(true), "{file}");
 
     // Readiness on :15021/healthz/ready; metrics on 15020, annotated for Prometheus.
@@ -317,7 +318,8 @@ fn assert_node_facts(file: &str, capture: &str) {
             .as_deref()
             .unwrap_or_default()
             .iter()
-            .any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()
+            .any(|t| t.operator.as_deref() == Some("Exists")
+                && t.key.is_none()
                 && t.effect.is_none()),
         "{file}: a toleration of every taint"
     );
@@ -433,7 +435,9 @@ fn deploy_istio_manifest_has_istiods_settings() {
     let mounts = mounts(ds);
     let volumes = pod_spec(ds).volumes.as_deref().unwrap_or_default();
     let volume = |path: &str| {
-        let name = mounts.get(path).unwrap_or_else(|| panic!("a mount at {path}"));
+        let name = mounts
+            .get(path)
+            .unwrap_or_else(|| panic!("a mount at {path}"));
         volumes
             .iter()
             .find(|v| &v.name == name)
@@ -557,12 +561,9 @@ spec:
         "{err}"
     );
     // A value of the wrong type is refused by the type itself.
-    let err = strict::parse_all(&rendered.replacen(
-        "containerPort: 15020",
-        "containerPort: metrics",
-        1,
-    ))
-    .expect_err("a port name where the number belongs");
+    let err =
+        strict::parse_all(&rendered.replacen("containerPort: 15020", "containerPort: metrics", 1))
+            .expect_err("a port name where the number belongs");
     assert!(err.contains("DaemonSet ztunnel"), "{err}");
 }
 

@@ -172,7 +172,12 @@ fn to_template_value(v: &serde_yaml::Value) -> Value {
         }
         serde_yaml::Value::Mapping(map) => Value::Map(
             map.iter()
-                .map(|(k, v)| (k.as_str().unwrap_or_default().to_owned(), to_template_value(v)))
+                .map(|(k, v)| {
+                    (
+                        k.as_str().unwrap_or_default().to_owned(),
+                        to_template_value(v),
+                    )
+                })
                 .collect(),
         ),
         serde_yaml::Value::Tagged(t) => to_template_value(&t.value),
@@ -191,9 +196,9 @@ fn to_yaml_value(v: &Value) -> Result<serde_yaml::Value, FuncError> {
             .or_else(|| n.as_i64().map(serde_yaml::Value::from))
             .or_else(|| n.as_f64().map(serde_yaml::Value::from))
             .ok_or(FuncError::UnableToConvertFromValue)?,
-        Value::Array(items) => serde_yaml::Value::Sequence(
-            items.iter().map(to_yaml_value).collect::<Result<_, _>>()?,
-        ),
+        Value::Array(items) => {
+            serde_yaml::Value::Sequence(items.iter().map(to_yaml_value).collect::<Result<_, _>>()?)
+        }
         Value::Map(map) | Value::Object(map) => {
             let mut keys: Vec<_> = map.keys().collect();
             keys.sort();
@@ -239,12 +244,18 @@ fn pad(width: &Value, text: &Value) -> Result<String, FuncError> {
             .and_then(|n| usize::try_from(n).ok())
             .ok_or(FuncError::UnableToConvertFromValue)?,
     );
-    Ok(format!("{pad}{}", text.to_string().replace('\n', &format!("\n{pad}"))))
+    Ok(format!(
+        "{pad}{}",
+        text.to_string().replace('\n', &format!("\n{pad}"))
+    ))
 }
 
 /// Sprig's `indent N text`: every line indented by N spaces.
 fn indent(args: &[Value]) -> Result<Value, FuncError> {
-    Ok(Value::from(pad(arg(args, 0, "indent")?, arg(args, 1, "indent")?)?))
+    Ok(Value::from(pad(
+        arg(args, 0, "indent")?,
+        arg(args, 1, "indent")?,
+    )?))
 }
 
 /// Sprig's `nindent N text`: a newline, then `indent`.
