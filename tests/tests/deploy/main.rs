@@ -98,7 +98,11 @@ fn deploy_manifests_are_the_rendered_chart() {
         let path = deploy_dir().join(file);
         let want = format!("{}{}", header(release, what), render_or_panic(release));
         if bless {
-            std::fs::write(&path, &want).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            // Through a rename, so that the tests reading the manifests
+            // meanwhile (they run in parallel) never see half a file.
+            let tmp = path.with_extension("yaml.tmp");
+            std::fs::write(&tmp, &want).unwrap_or_else(|e| panic!("{}: {e}", tmp.display()));
+            std::fs::rename(&tmp, &path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             eprintln!("wrote {}", path.display());
             continue;
         }

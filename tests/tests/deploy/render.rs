@@ -71,7 +71,7 @@ pub fn render(chart_dir: &Path, release: &Release<'_>) -> Result<String, String>
         .map(|entry| entry.map(|e| e.file_name().to_string_lossy().into_owned()))
         .collect::<Result<_, _>>()
         .map_err(|e| format!("templates: {e}"))?;
-    files.retain(|f| f.ends_with(".yaml"));
+    files.retain(|f| Path::new(f).extension().is_some_and(|e| e == "yaml"));
     files.sort();
 
     let mut documents = Vec::new();
