@@ -21,11 +21,12 @@ use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
     path::{Path, PathBuf},
     sync::Arc,
+    time::Duration,
 };
 
 use nix::sys::socket::{
     AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
-    UnixAddr, accept, bind, connect, listen, recvmsg, sendmsg, socket,
+    UnixAddr, accept, bind, connect, listen, recvmsg, sendmsg, setsockopt, socket, sockopt,
 };
 use prost::Message as _;
 
@@ -40,6 +41,12 @@ use crate::{
 pub const DEFAULT_SOCKET: &str = "/var/run/ztunnel/ztunnel.sock";
 /// Largest message accepted (requests are a few hundred bytes).
 const MAX_MESSAGE: usize = 64 * 1024;
+/// How long a client ([`request`]) waits for each step: connecting (a
+/// full backlog), each send and each answer. One enrolment takes well
+/// under a second; a daemon that has not answered in 10 s is stuck, and
+/// the caller (a pod's sandbox creation, an operator) must hear so rather
+/// than hang.
+pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Workload metadata sent with `add`.
 #[derive(Clone, PartialEq, Eq, prost::Message)]
@@ -169,6 +176,14 @@ pub enum ZdsError {
     /// The peer closed the connection early.
     #[error("connection closed before an answer")]
     Closed,
+    /// The daemon did not accept, take or answer a request in time.
+    #[error("enrolment socket {path}: no answer within {after:?}")]
+    Timeout {
+        /// The socket path.
+        path: PathBuf,
+        /// The bound that ran out.
+        after: Duration,
+    },
 }
 
 /// The socket file this process bound, identified by device and inode so
@@ -510,14 +525,32 @@ fn receive_answer(fd: RawFd) -> Result<Option<Packet>, nix::Error> {
 }
 
 /// Client side (used by `ztunnel enrol`): sends requests in order on one
-/// connection and returns the first refusal, if any.
+/// connection and returns the first refusal, if any. Each step waits at
+/// most [`CLIENT_TIMEOUT`].
 pub fn request(
     path: &Path,
     requests: Vec<(WorkloadRequest, Option<OwnedFd>)>,
 ) -> Result<(), ZdsError> {
-    let sock_err = |source| ZdsError::Socket {
-        path: path.to_path_buf(),
-        source,
+    request_within(path, requests, CLIENT_TIMEOUT)
+}
+
+/// [`request`] with each step (connect, every send, every answer) bounded
+/// by `timeout` (`SO_SNDTIMEO` bounds a unix socket's connect and sends,
+/// `SO_RCVTIMEO` the receives).
+pub fn request_within(
+    path: &Path,
+    requests: Vec<(WorkloadRequest, Option<OwnedFd>)>,
+    timeout: Duration,
+) -> Result<(), ZdsError> {
+    let sock_err = |source| match source {
+        nix::Error::EAGAIN => ZdsError::Timeout {
+            path: path.to_path_buf(),
+            after: timeout,
+        },
+        source => ZdsError::Socket {
+            path: path.to_path_buf(),
+            source,
+        },
     };
     let fd = socket(
         AddressFamily::Unix,
@@ -526,6 +559,14 @@ pub fn request(
         None,
     )
     .map_err(sock_err)?;
+    // A zero timeval would mean "wait forever": at least 1 µs.
+    let micros = timeout.as_micros().max(1);
+    let timeval = nix::sys::time::TimeVal::new(
+        (micros / 1_000_000) as libc::time_t,
+        (micros % 1_000_000) as libc::suseconds_t,
+    );
+    setsockopt(&fd, sockopt::SendTimeout, &timeval).map_err(sock_err)?;
+    setsockopt(&fd, sockopt::ReceiveTimeout, &timeval).map_err(sock_err)?;
     connect(fd.as_raw_fd(), &UnixAddr::new(path).map_err(sock_err)?).map_err(sock_err)?;
     for (req, pass) in requests {
         let sent = send(
@@ -537,6 +578,9 @@ pub fn request(
         // before our request went out: its answer is still there to read,
         // and says more than EPIPE.
         if let Err(e) = sent {
+            if e == nix::Error::EAGAIN {
+                return Err(sock_err(e));
+            }
             return match receive_answer(fd.as_raw_fd()) {
                 Ok(Some((bytes, _))) => match WorkloadResponse::decode(bytes.as_slice())?.payload {
                     Some(workload_response::Payload::Ack(ack)) if !ack.error.is_empty() => {
@@ -639,6 +683,58 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn a_client_waits_no_longer_than_its_timeout() {
+        let dir = std::env::temp_dir().join(format!("zds-timeout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("z.sock");
+        let _ = std::fs::remove_file(&path);
+        // Listening but never accepting: the connect completes (backlog),
+        // the request is queued, and no answer ever comes.
+        let listener = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        bind(listener.as_raw_fd(), &UnixAddr::new(&path).expect("addr")).expect("bind");
+        listen(&listener, Backlog::new(4).expect("backlog")).expect("listen");
+        let keep = WorkloadRequest {
+            payload: Some(workload_request::Payload::Keep(KeepWorkload {
+                uid: "u".into(),
+            })),
+        };
+        let start = std::time::Instant::now();
+        let err = request_within(
+            &path,
+            vec![(keep.clone(), None)],
+            Duration::from_millis(200),
+        )
+        .expect_err("no answer");
+        assert!(matches!(err, ZdsError::Timeout { .. }), "{err}");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+        let err = request_within(&path, vec![(keep, None)], Duration::from_millis(200))
+            .expect_err("no socket");
+        assert!(
+            matches!(
+                err,
+                ZdsError::Socket {
+                    source: nix::Error::ENOENT,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
