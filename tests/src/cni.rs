@@ -144,7 +144,8 @@ pub fn pod_env(
         pod.name, pod.name
     );
     if let Some(uid) = uid {
-        args.push_str(&format!(";K8S_POD_UID={uid}"));
+        args.push_str(";K8S_POD_UID=");
+        args.push_str(uid);
     }
     vec![
         ("CNI_COMMAND", command.to_owned()),
@@ -326,7 +327,8 @@ impl FakeApiServer {
     /// write it) into `dir`; `token` overrides the right one.
     pub fn kubeconfig(&self, dir: &Path, server: SocketAddr, token: Option<&str>) -> PathBuf {
         let path = dir.join(format!(
-            "kubeconfig-{}-{}",
+            "kubeconfig-{}-{}-{}",
+            server.ip(),
             server.port(),
             token.unwrap_or("ok")
         ));

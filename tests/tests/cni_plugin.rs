@@ -188,9 +188,9 @@ fn add_fails_while_ztunnel_cannot_enrol_the_pod() {
     let keys = s.keys(None);
     let run = s.plugin("ADD", "app", "mesh", Some("uid-app"), &keys);
     let msg = run.assert_error(code::TRY_AGAIN_LATER);
-    let socket = s.cluster.dir().join("no-ztunnel.sock");
+    let missing = s.cluster.dir().join("no-ztunnel.sock");
     assert!(
-        msg.contains("ztunnel is not running") && msg.contains(&socket.display().to_string()),
+        msg.contains("ztunnel is not running") && msg.contains(&missing.display().to_string()),
         "{msg}"
     );
     // DEL while ztunnel is down succeeds (documented in ztunnel::remove).
