@@ -35,12 +35,16 @@ impl Server {
     /// `https://host:port/prefix` or `http://...`, for messages.
     pub fn url(&self) -> String {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
+        format!("{scheme}://{}{}", self.authority(), self.path_prefix)
+    }
+
+    /// `host:port` (IPv6 in brackets), also the `Host` header.
+    fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
         } else {
-            self.host.clone()
-        };
-        format!("{scheme}://{host}:{}{}", self.port, self.path_prefix)
+            format!("{}:{}", self.host, self.port)
+        }
     }
 }
 
@@ -121,7 +125,7 @@ where
     // Drives the connection; ends when the response is read or on error
     // (which the request then reports).
     let driver = tokio::spawn(connection);
-    let mut request = http::Request::get(uri).header(http::header::HOST, server.url_host());
+    let mut request = http::Request::get(uri).header(http::header::HOST, server.authority());
     for (name, value) in headers {
         request = request.header(*name, value.as_str());
     }
@@ -136,14 +140,4 @@ where
         .to_bytes();
     driver.abort();
     Ok((status, body))
-}
-
-impl Server {
-    fn url_host(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
-    }
 }

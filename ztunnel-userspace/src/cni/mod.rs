@@ -78,6 +78,16 @@ fn run(env: &Env, stdin: &[u8]) -> Result<Option<Value>, CniError> {
         return Ok(Some(spec::version_json()));
     }
     let conf = NetConf::parse(stdin)?;
+    if env.command == Command::Check && conf.cni_version.starts_with("0.3.") {
+        return Err(CniError::new(
+            code::INCOMPATIBLE_VERSION,
+            format!(
+                "CHECK needs cniVersion 0.4.0 or later, not {}",
+                conf.cni_version
+            ),
+            "",
+        ));
+    }
     match env.command {
         Command::Add => add(env, &conf).map(Some),
         Command::Del => del(env, &conf).map(|()| None),
