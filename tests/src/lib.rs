@@ -14,6 +14,7 @@
 pub mod bpffs;
 pub mod cgroup;
 pub mod cluster;
+pub mod cni;
 pub mod flows;
 pub mod kernel;
 pub mod netns;

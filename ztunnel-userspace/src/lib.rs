@@ -8,6 +8,8 @@
 //!   ([`netns`] enters it), and reads the kernel counters.
 //! - The kernel programs steer an enrolled pod's connections onto ztunnel's
 //!   listeners inside that pod; the proxy (later issues) carries them.
+//! - [`cni`] is the CNI plugin (`ztunnel-cni`): a separate process that
+//!   enrols new pods over the [`enrol`] socket.
 //! - [`accept`] is the one accept loop of every listener (back-off on
 //!   resource errors) and admits connections against [`limits`].
 
@@ -17,6 +19,7 @@ pub mod app;
 pub mod bpffs;
 pub mod capture;
 pub mod cgroup;
+pub mod cni;
 pub mod enrol;
 pub mod hbone;
 pub mod identity;

@@ -22,7 +22,7 @@ pub mod wire;
 
 use std::path::PathBuf;
 
-pub use client::request;
+pub use client::{CLIENT_TIMEOUT, request, request_within};
 pub use proto::*;
 pub use server::{SocketFile, serve};
 
@@ -64,13 +64,13 @@ pub enum ZdsError {
     /// The peer closed the connection early.
     #[error("connection closed before an answer")]
     Closed,
-    /// The peer did not answer in time.
-    #[error("enrolment socket {path}: no answer within {seconds} s")]
+    /// The daemon did not accept, take or answer a request in time.
+    #[error("enrolment socket {path}: no answer within {after:?}")]
     Timeout {
         /// The socket path.
         path: PathBuf,
-        /// The time limit.
-        seconds: u64,
+        /// The bound that ran out.
+        after: std::time::Duration,
     },
 }
 
