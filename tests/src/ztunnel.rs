@@ -65,6 +65,8 @@ pub struct Ztunnel {
     pub bpffs: PathBuf,
     /// Its enrolment socket.
     pub socket: PathBuf,
+    /// Where it reads ztunnel-cni's pod records (`--cni-state-dir`).
+    pub pod_records: PathBuf,
     _cgroup: TestCgroup,
 }
 
@@ -81,6 +83,9 @@ pub struct ZtunnelPaths {
     pub bpffs: PathBuf,
     /// Enrolment socket.
     pub socket: PathBuf,
+    /// ztunnel-cni's pod records of this node (never the machine's
+    /// `/var/run/ztunnel/pods`).
+    pub pod_records: PathBuf,
     /// Log file.
     pub log: PathBuf,
     /// This instance's number (two ztunnels of one node, e.g. an upgrade,
@@ -96,6 +101,7 @@ impl ZtunnelPaths {
         Self {
             bpffs: cluster.bpffs().path().join(format!("ztunnel-{name}")),
             socket: cluster.dir().join(format!("{name}.sock")),
+            pod_records: cluster.dir().join(format!("pods-{name}")),
             log: cluster.dir().join(format!("ztunnel-{name}-{instance}.log")),
             instance,
         }
@@ -162,6 +168,8 @@ impl Ztunnel {
         .arg(&paths.bpffs)
         .arg("--enrol-socket")
         .arg(&paths.socket)
+        .arg("--cni-state-dir")
+        .arg(&paths.pod_records)
         // Every node of the cluster shares one development CA, kept in the
         // cluster's scratch folder (never the machine's default location).
         .arg("--ca-dir")
@@ -177,6 +185,7 @@ impl Ztunnel {
             log: paths.log,
             bpffs: paths.bpffs,
             socket: paths.socket,
+            pod_records: paths.pod_records,
             _cgroup: cgroup,
         };
         z.wait_for_log("ztunnel ready", Duration::from_secs(20));

@@ -209,6 +209,8 @@ fn pins_from_an_incompatible_build_are_refused_by_name() {
         .arg(&paths.bpffs)
         .arg("--enrol-socket")
         .arg(&paths.socket)
+        .arg("--cni-state-dir")
+        .arg(&paths.pod_records)
         .arg("--ca-dir")
         .arg(cluster.dir().join("dev-ca"));
     let done = PodProcess::spawn("ztunnel-refused", cmd).wait(Duration::from_secs(30));

@@ -74,8 +74,14 @@ impl Setup {
             || self.cluster.dir().join("no-ztunnel.sock"),
             |z| z.socket.clone(),
         );
+        // The records of node-a's pods, where its ztunnel reads them.
+        let records = z.map_or_else(
+            || self.cluster.dir().join("pods-node-a"),
+            |z| z.pod_records.clone(),
+        );
         json!({
             "ztunnelSocket": socket,
+            "stateDir": records,
             "ztunnelTimeoutMs": 5000,
             "kubernetes": {"kubeconfig": self.kubeconfig, "timeoutMs": 2000},
         })
@@ -407,4 +413,59 @@ fn the_api_server_decides_which_pods_are_enrolled() {
         .assert_error(code::KUBERNETES);
     assert!(msg.contains("404") && msg.contains("plain/other"), "{msg}");
     assert_eq!(z.count_log_lines(&["pod enrolled"]), 1, "{}", z.log());
+}
+
+#[test]
+fn pods_the_plugin_enrolled_stay_captured_across_a_restart_and_a_del_meanwhile_holds() {
+    if !require_root(
+        "pods_the_plugin_enrolled_stay_captured_across_a_restart_and_a_del_meanwhile_holds",
+    ) {
+        return;
+    }
+    let s = Setup::new(&["app", "web", "other"]);
+    s.api.pod("mesh", "app", "uid-app", "app-sa", &json!({}));
+    s.api.pod("mesh", "web", "uid-web", "web-sa", &json!({}));
+    let (app, web, other) = (
+        s.cluster.pod("app"),
+        s.cluster.pod("web"),
+        s.cluster.pod("other"),
+    );
+    let dst = SocketAddr::from((other.ip, 8080));
+    let _server = flows::server(other, dst, "echo");
+    let mut z = Ztunnel::start(&s.cluster, 0, &[]);
+    let keys = s.keys(Some(&z));
+    for (pod, uid) in [("app", "uid-app"), ("web", "uid-web")] {
+        s.plugin("ADD", pod, "mesh", Some(uid), &keys).assert_ok();
+        assert!(z.pod_records.join(format!("{uid}.json")).exists());
+    }
+    assert!(captured(&z, app, dst) && captured(&z, web, dst));
+
+    // ztunnel stops (an upgrade, a crash); web is deleted meanwhile: its
+    // DEL succeeds and drops its record, though nobody could be told.
+    z.stop();
+    s.plugin("DEL", "web", "mesh", Some("uid-web"), &keys)
+        .assert_ok();
+    assert!(!z.pod_records.join("uid-web.json").exists());
+    assert!(z.pod_records.join("uid-app.json").exists());
+
+    // The next ztunnel enrols app again from its record, before its sweep
+    // (1 s grace here) removes what nobody re-enrolled: app stays in the
+    // mesh, web's stale capture goes.
+    let z = Ztunnel::start(&s.cluster, 0, &[]);
+    z.wait_for_log(
+        "pods recorded by ztunnel-cni enrolled again enrolled=1 gone=0 failed=0",
+        Duration::from_secs(5),
+    );
+    z.wait_for_log(
+        "removed kernel state of pods no longer enrolled",
+        Duration::from_secs(10),
+    );
+    assert!(
+        captured(&z, app, dst),
+        "a recorded pod lost its capture at restart"
+    );
+    assert!(
+        !captured(&z, web, dst),
+        "a pod deleted while ztunnel was down came back"
+    );
 }

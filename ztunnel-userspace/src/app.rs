@@ -56,6 +56,9 @@ pub struct Settings {
     pub exclusions: Exclusions,
     /// Enrolment socket path ztunnel listens on (None: disabled).
     pub enrol_socket: Option<PathBuf>,
+    /// Records of the pods ztunnel-cni enrolled, enrolled again at start
+    /// (None: not read).
+    pub cni_state_dir: Option<PathBuf>,
     /// Istio's node agent socket, which ztunnel dials (None: disabled).
     pub node_agent_socket: Option<PathBuf>,
     /// How long to wait for pods to be re-enrolled before removing the
@@ -292,6 +295,9 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
             settings.trust_domain.clone(),
         );
     }
+    if let Some(dir) = &settings.cni_state_dir {
+        replay_pod_records(&registry, dir);
+    }
     let socket_file = match &settings.enrol_socket {
         Some(socket) => {
             let file = enrol::zds::serve(socket, Arc::clone(&registry))?;
@@ -441,6 +447,61 @@ pub fn apply_config(registry: &PodRegistry, config: &LocalConfig, node: &str) {
         Ok(_) => {}
         Err(e) => tracing::error!(error = %e, "reconciling config pods failed"),
     }
+}
+
+/// Enrols again the pods ztunnel-cni recorded (`enrol::pod_record`), so
+/// that a restart keeps them captured; they count as enrolled over the
+/// socket. A record whose network namespace is gone is deleted (the pod
+/// is); one that cannot be read or enrolled is logged, and such a pod keeps
+/// whatever capture an earlier ztunnel left (fail closed).
+fn replay_pod_records(registry: &PodRegistry, dir: &Path) {
+    use crate::enrol::pod_record;
+    let records = pod_record::read_all(dir);
+    if records.is_empty() {
+        return;
+    }
+    let (mut enrolled, mut gone, mut failed) = (0, 0, 0);
+    for record in records {
+        let record = match record {
+            Ok(record) => record,
+            Err(e) => {
+                failed += 1;
+                tracing::error!(error = %e, "cannot read a pod record");
+                continue;
+            }
+        };
+        let uid = record.uid.clone();
+        if !record.netns.exists() {
+            gone += 1;
+            tracing::info!(pod = %uid, netns = %record.netns.display(), "recorded pod's network namespace is gone: record removed");
+            let _ = pod_record::remove(dir, &uid);
+            continue;
+        }
+        let outcome = PodNetns::open(&record.netns)
+            .map_err(|e| e.to_string())
+            .and_then(|netns| {
+                let identity = registry
+                    .identity_for(&uid, &record.namespace, &record.service_account)
+                    .ok_or_else(|| "no identity (namespace or service account empty)".to_owned())?;
+                registry
+                    .enrol(EnrolRequest {
+                        uid: uid.clone(),
+                        netns,
+                        capture: crate::state::CaptureOptOut::default(),
+                        identity,
+                        source: Source::Socket,
+                    })
+                    .map_err(|e| e.to_string())
+            });
+        match outcome {
+            Ok(_) => enrolled += 1,
+            Err(e) => {
+                failed += 1;
+                tracing::error!(pod = %uid, record = %dir.display(), error = %e, "cannot enrol a recorded pod again");
+            }
+        }
+    }
+    tracing::info!(enrolled, gone, failed, dir = %dir.display(), "pods recorded by ztunnel-cni enrolled again");
 }
 
 /// How often the config file is read for changes.

@@ -127,6 +127,12 @@ struct RunArgs {
     /// that path is istio-cni's and ztunnel listens on none unless told.
     #[arg(long, env = "ZTUNNEL_ENROL_SOCKET")]
     enrol_socket: Option<PathBuf>,
+    /// Folder of the records ztunnel-cni keeps of the pods it enrolled
+    /// (its `stateDir`): at start, each pod whose network namespace still
+    /// exists is enrolled again, so a restart keeps them captured. Not
+    /// read with --capture istio-cni.
+    #[arg(long, env = "ZTUNNEL_CNI_STATE_DIR", default_value = ztunnel::enrol::pod_record::DEFAULT_DIR)]
+    cni_state_dir: PathBuf,
     /// Istio's node agent (istio-cni) socket, which ztunnel dials to be
     /// given pods (ZDS, as Istio's ztunnel). Default
     /// /var/run/ztunnel/ztunnel.sock with --capture istio-cni, otherwise
@@ -361,6 +367,7 @@ fn settings(args: RunArgs) -> app::Settings {
         enrol_socket: args.enrol_socket.or_else(|| {
             (args.capture != capture::Backend::IstioCni).then(|| zds::DEFAULT_SOCKET.into())
         }),
+        cni_state_dir: (args.capture != capture::Backend::IstioCni).then_some(args.cni_state_dir),
         node_agent_socket: args.node_agent_socket.or_else(|| {
             (args.capture == capture::Backend::IstioCni).then(|| zds::DEFAULT_SOCKET.into())
         }),

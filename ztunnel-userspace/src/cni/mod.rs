@@ -26,6 +26,8 @@ pub mod ztunnel;
 
 use serde_json::Value;
 
+use crate::enrol::pod_record::{self, PodRecord};
+
 use self::{
     kube::{ApiClient, KubeError, Selection},
     spec::{CniError, Command, Env, NetConf, code},
@@ -212,7 +214,27 @@ fn add(env: &Env, conf: &NetConf) -> Result<Value, CniError> {
                 .netns
                 .as_deref()
                 .ok_or_else(|| CniError::new(code::INVALID_ENV, "CNI_NETNS must be set", ""))?;
-            ztunnel::enrol(conf, netns, &pod)?;
+            // Recorded before ztunnel is asked, so that no enrolled pod
+            // lacks a record (a restarted ztunnel enrols the recorded ones
+            // again); dropped again if the enrolment fails.
+            let record = PodRecord {
+                uid: pod.uid.clone(),
+                name: pod.name.clone(),
+                namespace: pod.namespace.clone(),
+                service_account: pod.service_account.clone(),
+                netns: netns.to_path_buf(),
+            };
+            pod_record::write(&conf.state_dir, &record).map_err(|e| {
+                CniError::new(
+                    code::IO_FAILURE,
+                    format!("cannot record pod {pod}: {e}"),
+                    "",
+                )
+            })?;
+            if let Err(e) = ztunnel::enrol(conf, netns, &pod) {
+                let _ = pod_record::remove(&conf.state_dir, &pod.uid);
+                return Err(e);
+            }
             tracing::info!(container = %env.container_id, "ADD: pod {pod} enrolled ({why})");
         }
     }
@@ -237,6 +259,11 @@ fn del(env: &Env, conf: &NetConf) -> Result<(), CniError> {
             }
         },
     };
+    // The record goes first and whatever ztunnel says: a pod deleted while
+    // ztunnel is down must not be enrolled again when it starts.
+    if let Err(e) = pod_record::remove(&conf.state_dir, &uid) {
+        tracing::warn!(container = %env.container_id, %uid, "DEL: {e}");
+    }
     // Sent whatever the pod's labels say now: they may have changed since
     // ADD, and removing a pod ztunnel never had is a no-op.
     match ztunnel::remove(conf, &uid)? {

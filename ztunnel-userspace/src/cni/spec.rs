@@ -269,6 +269,9 @@ pub struct NetConf {
     /// `excludeNamespaces`: pods there are never enrolled and cost no API
     /// request.
     pub exclude_namespaces: Vec<String>,
+    /// `stateDir`: where the enrolled pods' records live, for a restarted
+    /// ztunnel (`crate::enrol::pod_record`).
+    pub state_dir: PathBuf,
 }
 
 /// Collects every problem of a configuration, each naming its field.
@@ -409,6 +412,10 @@ impl NetConf {
                 DEFAULT_ZTUNNEL_ADMIN
             }),
         };
+        let state_dir = p.string(&obj, "stateDir", "stateDir").map_or_else(
+            || PathBuf::from(crate::enrol::pod_record::DEFAULT_DIR),
+            PathBuf::from,
+        );
         let kubernetes = match p.object(&obj, "kubernetes") {
             Some(k) => KubernetesConf {
                 kubeconfig: p
@@ -478,6 +485,7 @@ impl NetConf {
             ztunnel_admin,
             kubernetes,
             exclude_namespaces,
+            state_dir,
         })
     }
 

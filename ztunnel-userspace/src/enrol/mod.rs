@@ -4,10 +4,13 @@
 //!   TC attachment, listeners, socket factory). Idempotent enrol/remove and
 //!   snapshot reconciliation.
 //! - [`rollback`]: undoing the steps of an enrolment that failed half way.
+//! - [`pod_record`]: the pods `ztunnel-cni` enrolled, kept on the node so
+//!   that a restarted ztunnel enrols them again.
 //! - [`zds`]: the protobuf messages (Istio's ZDS semantics) and the unix
 //!   socket server a CNI plugin or `ztunnel enrol` talks to, with the pod's
 //!   netns fd passed as `SCM_RIGHTS`.
 
+pub mod pod_record;
 pub mod registry;
 mod rollback;
 pub mod zds;
