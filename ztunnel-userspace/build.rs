@@ -50,7 +50,9 @@ fn compile_protos() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = prost_build::Config::new().compile_fds(descriptors) {
+    // Services get a client (ztunnel's) and a server (the tests' control
+    // plane); messages are plain prost.
+    if let Err(e) = tonic_prost_build::configure().compile_fds(descriptors) {
         eprintln!("error: generating Rust from the .proto files failed: {e}");
         std::process::exit(1);
     }

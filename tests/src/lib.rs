@@ -16,6 +16,7 @@ pub mod cgroup;
 pub mod cluster;
 pub mod cni;
 pub mod flows;
+pub mod istiod;
 pub mod kernel;
 pub mod netns;
 pub mod node_agent;

@@ -23,7 +23,7 @@ use crate::{
     cgroup::{self, CgroupError},
     enrol::{self, EnrolError, EnrolRequest, PodRegistry, Source, zds::ZdsError},
     hbone::pool::{HbonePool, PoolSettings},
-    identity::{CertManager, Identity, ca::CertificateAuthority},
+    identity::{CertManager, Identity, ca::CertificateAuthority, istio_ca::IstioCaSettings},
     loader::{self, LoaderError},
     netns::PodNetns,
     proxy::Shared,
@@ -103,6 +103,26 @@ pub enum CaSource {
         /// Root, when `cert` is an intermediate.
         root: Option<PathBuf>,
     },
+    /// Istio's CA (istiod): certificates are asked for, no CA key is on
+    /// the node.
+    Istio(IstioCa),
+}
+
+/// How to reach Istio's CA, and who ztunnel is to it.
+#[derive(Debug, Clone)]
+pub struct IstioCa {
+    /// `host:port`.
+    pub address: String,
+    /// Root certificate(s): istiod's TLS and the mesh's trust anchors.
+    pub root_cert: PathBuf,
+    /// Bearer token file.
+    pub token: PathBuf,
+    /// Cluster id (`clusterid`).
+    pub cluster_id: String,
+    /// ztunnel's own namespace.
+    pub namespace: String,
+    /// ztunnel's own service account.
+    pub service_account: String,
 }
 
 /// Why the daemon stopped with an error.
@@ -172,13 +192,43 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         || local::DEFAULT_TRUST_DOMAIN.to_owned(),
         |c| c.trust_domain.clone(),
     );
-    let ca = match &settings.ca {
-        CaSource::Development(dir) => CertificateAuthority::development(dir, &trust_domain)?,
-        CaSource::Files { cert, key, root } => {
-            CertificateAuthority::from_files(cert, key, root.as_deref())?
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(settings.worker_threads.max(1))
+        .thread_name("dataplane")
+        .enable_all()
+        .build()?;
+    let certs = Arc::new(match &settings.ca {
+        CaSource::Development(dir) => CertManager::new(
+            CertificateAuthority::development(dir, &trust_domain)?,
+            settings.cert_lifetime,
+        ),
+        CaSource::Files { cert, key, root } => CertManager::new(
+            CertificateAuthority::from_files(cert, key, root.as_deref())?,
+            settings.cert_lifetime,
+        ),
+        CaSource::Istio(istio) => {
+            let own_identity =
+                Identity::new(&trust_domain, &istio.namespace, &istio.service_account);
+            // The gRPC channel and the request tasks live on the runtime.
+            let _in_runtime = runtime.enter();
+            let client = crate::identity::istio_ca::IstioCa::new(IstioCaSettings {
+                address: istio.address.clone(),
+                root_cert: istio.root_cert.clone(),
+                token: istio.token.clone(),
+                cluster_id: istio.cluster_id.clone(),
+                own_identity: own_identity.clone(),
+                ttl: settings.cert_lifetime,
+            })?;
+            tracing::info!(
+                ca = %istio.address,
+                server_name = client.server_name(),
+                root = %istio.root_cert.display(),
+                identity = %own_identity,
+                "workload certificates come from the Istio CA (no CA key on this node)"
+            );
+            CertManager::istio(client, settings.cert_lifetime)?
         }
-    };
-    let certs = Arc::new(CertManager::new(ca, settings.cert_lifetime));
+    });
     let mut base = initial.clone().unwrap_or_default();
     base.trust_domain.clone_from(&trust_domain);
     let state = StateHandle::new(MeshState::new(base));
@@ -242,11 +292,6 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         );
     }
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(settings.worker_threads.max(1))
-        .thread_name("dataplane")
-        .enable_all()
-        .build()?;
     let registry = Arc::new(
         PodRegistry::new(
             programs,

@@ -28,6 +28,7 @@ pub mod loader;
 pub mod memory;
 pub mod netns;
 pub mod probe;
+pub mod proto;
 pub mod proxy;
 pub mod state;
 pub mod telemetry;

@@ -165,10 +165,42 @@ struct RunArgs {
     /// Root certificate (PEM) when --ca-cert is an intermediate.
     #[arg(long, env = "ZTUNNEL_CA_ROOT", requires = "ca_cert")]
     ca_root: Option<PathBuf>,
-    /// Lifetime of workload certificates, in seconds (rotated at half-life;
-    /// values under a minute are only useful for tests).
-    #[arg(long, env = "ZTUNNEL_CERT_LIFETIME", default_value_t = 24 * 3600)]
-    cert_lifetime: u64,
+    /// Istio's CA (istiod) to ask for workload certificates, `host:port`
+    /// (Istio's is istiod.istio-system.svc:15012). With it no CA key is
+    /// read or kept on this node; without it the local CA above signs.
+    #[arg(long, env = "CA_ADDRESS", conflicts_with_all = ["ca_cert", "ca_key", "ca_root"])]
+    ca_address: Option<String>,
+    /// Root certificate(s) (PEM) istiod's TLS certificate and every
+    /// workload certificate must chain to (with --ca-address).
+    #[arg(
+        long,
+        env = "CA_ROOT_CA",
+        default_value = "/var/run/secrets/istio/root-cert.pem"
+    )]
+    ca_root_cert: PathBuf,
+    /// Token file sent to istiod as `authorization: Bearer` (read again for
+    /// every request: the kubelet rotates it).
+    #[arg(
+        long,
+        env = "AUTH_TOKEN",
+        default_value = "/var/run/secrets/tokens/istio-token"
+    )]
+    auth_token: PathBuf,
+    /// Cluster id sent to istiod (`clusterid`).
+    #[arg(long, env = "ISTIO_META_CLUSTER_ID", default_value = "Kubernetes")]
+    cluster_id: String,
+    /// ztunnel's own namespace: with --service-account, its own identity,
+    /// for which no impersonation is sent to the CA.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "istio-system")]
+    pod_namespace: String,
+    /// ztunnel's own service account.
+    #[arg(long, env = "SERVICE_ACCOUNT", default_value = "ztunnel")]
+    service_account: String,
+    /// Lifetime of workload certificates: seconds, or a duration such as
+    /// `24h` or `24h0m0s` (Istio's SECRET_TTL). Renewed at half-life; values
+    /// under a minute are only useful for tests.
+    #[arg(long, env = "SECRET_TTL", value_parser = parse_lifetime, default_value = "24h")]
+    cert_lifetime: Duration,
     /// Seconds after which an idle pooled HBONE connection is closed.
     #[arg(long, env = "ZTUNNEL_POOL_IDLE_TIMEOUT", default_value_t = 300)]
     pool_idle_timeout: u64,
@@ -243,6 +275,20 @@ fn at_least_one() -> clap::builder::RangedU64ValueParser<u64> {
 /// Timeouts are at least one millisecond: zero would fail every connection.
 fn positive_ms() -> clap::builder::RangedU64ValueParser<u64> {
     clap::value_parser!(u64).range(1..)
+}
+
+/// A certificate lifetime: plain seconds (`86400`) or a duration with
+/// units (`24h`, `24h0m0s`, `90m`), as Istio writes `SECRET_TTL`.
+fn parse_lifetime(text: &str) -> Result<Duration, String> {
+    let lifetime = match text.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => humantime::parse_duration(text)
+            .map_err(|e| format!("{text:?} is neither seconds nor a duration like 24h: {e}"))?,
+    };
+    if lifetime.is_zero() {
+        return Err("a certificate lifetime must be more than zero".to_owned());
+    }
+    Ok(lifetime)
 }
 
 #[derive(clap::Args)]
@@ -373,15 +419,23 @@ fn settings(args: RunArgs) -> app::Settings {
         }),
         reconcile_grace: Duration::from_secs(args.reconcile_grace),
         worker_threads: args.worker_threads,
-        ca: match (args.ca_cert, args.ca_key) {
-            (Some(cert), Some(key)) => app::CaSource::Files {
+        ca: match (args.ca_address, args.ca_cert, args.ca_key) {
+            (Some(address), _, _) => app::CaSource::Istio(app::IstioCa {
+                address,
+                root_cert: args.ca_root_cert,
+                token: args.auth_token,
+                cluster_id: args.cluster_id,
+                namespace: args.pod_namespace,
+                service_account: args.service_account,
+            }),
+            (None, Some(cert), Some(key)) => app::CaSource::Files {
                 cert,
                 key,
                 root: args.ca_root,
             },
             _ => app::CaSource::Development(args.ca_dir),
         },
-        cert_lifetime: Duration::from_secs(args.cert_lifetime.max(2)),
+        cert_lifetime: args.cert_lifetime.max(Duration::from_secs(2)),
         pool_idle_timeout: Duration::from_secs(args.pool_idle_timeout.max(1)),
         local_fastpath: args.local_fastpath == OnOff::On,
         admin: ztunnel::admin::Addresses {

@@ -350,10 +350,10 @@ impl PodRegistry {
             uid: uid.clone(),
             source,
         };
-        // Issue the pod's certificate now: readiness promises it exists.
-        if let Err(e) = self.shared.certs.certified_key(&req.identity) {
-            tracing::error!(pod = %uid, error = %e, "could not issue the pod's certificate");
-        }
+        // Get the pod's certificate now rather than on its first
+        // connection: a local CA signs it here (readiness promises it
+        // exists); Istio's CA is asked in the background.
+        self.shared.certs.prefetch(&req.identity);
         // The socket factory's thread and the listeners end when dropped.
         let sockets = SocketFactory::start(&req.netns, self.legs.clone()).map_err(io)?;
         let listeners = listeners::open(&req.netns).map_err(|e| EnrolError::Listen {

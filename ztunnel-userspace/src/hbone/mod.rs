@@ -93,6 +93,10 @@ pub enum HboneError {
     /// Building the TLS configuration failed.
     #[error(transparent)]
     Config(#[from] crate::tls::TlsError),
+    /// The source workload has no certificate (Istio's CA has not issued
+    /// one); nothing is sent without it.
+    #[error(transparent)]
+    NoCertificate(#[from] crate::identity::IdentityError),
     /// The pod's socket factory failed.
     #[error(transparent)]
     Proxy(#[from] Box<crate::proxy::ProxyError>),

@@ -533,6 +533,11 @@ impl HbonePool {
         let peer = key.dst;
         let timeouts = &self.settings.timeouts;
         let metrics = &self.metrics;
+        // With Istio's CA a new pod's first connection may come before its
+        // certificate: wait for it (bounded) instead of failing at once.
+        self.certs
+            .wait_ready(&key.src, timeouts.tls_handshake)
+            .await?;
         let tcp = within(
             Phase::Connect,
             timeouts.connect,

@@ -139,6 +139,14 @@ async fn connection(
     let timeouts = server.shared.timeouts;
     let metrics = &server.shared.metrics;
     let count = |outcome| metrics.handshake(HandshakeSide::Server, outcome);
+    // Without a certificate to present (Istio's CA has not issued it yet)
+    // the handshake could only fail: wait for it, bounded.
+    server
+        .shared
+        .certs
+        .wait_ready(&server.identity, timeouts.tls_handshake)
+        .await
+        .map_err(|e| e.to_string())?;
     // Dropping the handshake on expiry closes the socket.
     let tls = match within(
         Phase::TlsHandshake,

@@ -5,12 +5,16 @@
 //!   (persisted in a folder so every node of a local-mode mesh shares it), or
 //!   a CA certificate and key given as files (optionally an intermediate with
 //!   its root).
-//! - [`manager`]: issues each local workload's certificate on demand, caches
-//!   it, and replaces it once half its lifetime has passed. TLS handshakes ask
-//!   the manager for the current certificate, so rotation never touches
-//!   connections that are already open.
+//!   Or [`istio_ca`]: istiod's certificate service, so that no node holds
+//!   the mesh's signing key.
+//! - [`manager`]: holds each local workload's certificate, gets it (signed
+//!   in place, or asked of Istio's CA in the background) and replaces it
+//!   once half its lifetime has passed. TLS handshakes ask the manager for
+//!   the current certificate, so rotation never touches connections that
+//!   are already open.
 
 pub mod ca;
+pub mod istio_ca;
 pub mod manager;
 
 use std::fmt;
@@ -40,6 +44,35 @@ pub enum IdentityError {
         /// For whom.
         identity: String,
         /// What rcgen said.
+        message: String,
+    },
+    /// Istio's CA refused, failed or answered something unusable.
+    #[error("Istio CA at {address}, certificate for {identity}: {message}")]
+    Ca {
+        /// The CA's address.
+        address: String,
+        /// The identity asked for.
+        identity: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The CA address is not `host:port`.
+    #[error("CA address {address:?}: {message}")]
+    CaAddress {
+        /// The address as given.
+        address: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// No certificate for this identity yet: it is being asked for.
+    #[error("no certificate for {0} yet: it is being asked of the Istio CA")]
+    NotYet(String),
+    /// No certificate arrived within the wait.
+    #[error("no certificate for {identity}: {message}")]
+    Unavailable {
+        /// The identity.
+        identity: String,
+        /// The CA's last error, or the wait that ran out.
         message: String,
     },
     /// A CA file could not be read or parsed.

@@ -22,15 +22,9 @@ pub mod wire;
 
 use std::path::PathBuf;
 
+pub use crate::proto::zds::*;
 pub use client::{CLIENT_TIMEOUT, request, request_within};
-pub use proto::*;
 pub use server::{SocketFile, serve};
-
-/// The generated messages (package `istio.workload.zds`).
-#[allow(clippy::pedantic, missing_docs)]
-mod proto {
-    include!(concat!(env!("OUT_DIR"), "/istio.workload.zds.rs"));
-}
 
 /// Default path of the socket: where Istio's node agent listens
 /// (`INPOD_UDS`), and where ztunnel listens in local mode.
