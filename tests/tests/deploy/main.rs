@@ -523,6 +523,10 @@ fn deploy_chart_refuses_what_it_cannot_do() {
         "cni.enabled"
     );
     assert!(refused("capture: iptables").contains("capture must be"));
+    assert!(
+        refused("capture: istio-cni\ncaSecret: mesh-ca").contains("istiod's CA"),
+        "a CA key on the nodes of an Istio mesh"
+    );
     // A misspelt value name, which helm would silently ignore.
     assert!(refused("captur: istio-cni").contains("captur is not a value"));
 }
