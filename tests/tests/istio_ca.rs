@@ -267,3 +267,36 @@ fn a_bad_token_or_a_certificate_for_someone_else_fails_closed_until_fixed() {
     );
     flows::assert_ok(&s.flow());
 }
+
+#[test]
+fn an_expired_certificate_is_never_presented() {
+    if !require_root("an_expired_certificate_is_never_presented") {
+        return;
+    }
+    let s = Setup::new();
+    let _server = flows::server(s.cluster.pod("b1"), s.dst(), "echo");
+    // 8 s certificates for a1; b1's last long.
+    let za = s.ztunnel(s.a, &["--cert-lifetime", "8"]);
+    let _zb = s.ztunnel(s.b, &[]);
+    flows::assert_ok(&s.flow());
+    let issued = std::time::Instant::now();
+    s.istiod.set_down(true);
+    // Past a1's expiry (with margin for the CA's clock skew allowance of
+    // none: the fake sets not_after = now + validity).
+    std::thread::sleep(Duration::from_secs(9).saturating_sub(issued.elapsed()));
+    let refused = s.flow();
+    assert!(
+        !refused.stdout.contains("RESULT ok"),
+        "a1 reached b1 with an expired certificate: {refused:?}"
+    );
+    za.wait_for_log(
+        "certificate expired and not renewed",
+        Duration::from_secs(5),
+    );
+    s.istiod.set_down(false);
+    za.wait_for_log(
+        "certificate renewed by the Istio CA",
+        Duration::from_secs(90),
+    );
+    flows::assert_ok(&s.flow());
+}

@@ -63,6 +63,8 @@ struct PooledConn {
     streams: AtomicUsize,
     closed: AtomicBool,
     idle_since: Mutex<Instant>,
+    /// No new streams after this (`identity::connection_expiry`).
+    expires: std::time::SystemTime,
 }
 
 /// How the open that other streams wait for ended.
@@ -460,10 +462,15 @@ impl HbonePool {
             let next = {
                 let mut slot = lock(&slot);
                 slot.conns.retain(|c| !c.closed.load(Ordering::Acquire));
+                let now = std::time::SystemTime::now();
+                // A connection whose certificates have expired carries its
+                // open streams to their end but takes no new one.
                 let found = slot
                     .conns
                     .iter()
-                    .find(|c| c.streams.load(Ordering::Acquire) < CLIENT_MAX_STREAMS)
+                    .find(|c| {
+                        c.streams.load(Ordering::Acquire) < CLIENT_MAX_STREAMS && now < c.expires
+                    })
                     .cloned();
                 if slot.detached {
                     Pick::Moved
@@ -535,7 +542,8 @@ impl HbonePool {
         let metrics = &self.metrics;
         // With Istio's CA a new pod's first connection may come before its
         // certificate: wait for it (bounded) instead of failing at once.
-        self.certs
+        let own_cert = self
+            .certs
             .wait_ready(&key.src, timeouts.tls_handshake)
             .await?;
         let tcp = within(
@@ -576,6 +584,8 @@ impl HbonePool {
             return Err(HboneError::NoAlpn(peer));
         }
         count(HandshakeOutcome::Ok);
+        let expires =
+            crate::identity::connection_expiry(&own_cert, tls.get_ref().1.peer_certificates());
         self.handshakes.fetch_add(1, Ordering::Relaxed);
         let handshake = h2::client::Builder::new()
             .initial_window_size(STREAM_WINDOW)
@@ -599,6 +609,7 @@ impl HbonePool {
             streams: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             idle_since: Mutex::new(Instant::now()),
+            expires,
         });
         tracing::info!(connection = id, %peer, src = %key.src, dst_identity = %key.dst_identity, "HBONE connection established");
         tokio::spawn(drive(

@@ -141,7 +141,7 @@ async fn connection(
     let count = |outcome| metrics.handshake(HandshakeSide::Server, outcome);
     // Without a certificate to present (Istio's CA has not issued it yet)
     // the handshake could only fail: wait for it, bounded.
-    server
+    let own_cert = server
         .shared
         .certs
         .wait_ready(&server.identity, timeouts.tls_handshake)
@@ -178,6 +178,12 @@ async fn connection(
         return Err("client presented no SPIFFE identity".into());
     };
     count(HandshakeOutcome::Ok);
+    let expires =
+        crate::identity::connection_expiry(&own_cert, tls.get_ref().1.peer_certificates());
+    let expiry = tokio::time::Instant::now()
+        + expires
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default();
     let handshake = h2::server::Builder::new()
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
@@ -210,6 +216,14 @@ async fn connection(
                     h2.graceful_shutdown();
                     goaway_sent = true;
                 }
+                continue;
+            }
+            // A certificate of this connection expired: the client must
+            // open new streams on a connection with current ones.
+            () = tokio::time::sleep_until(expiry), if !goaway_sent => {
+                tracing::info!(pod = %server.pod, %peer, "a certificate of this HBONE connection expired: no new streams on it");
+                h2.graceful_shutdown();
+                goaway_sent = true;
                 continue;
             }
         };

@@ -146,6 +146,33 @@ pub fn uri_sans(der: &[u8]) -> Vec<String> {
         .collect()
 }
 
+/// The end of a DER certificate's validity (None if it does not parse).
+pub fn not_after(der: &[u8]) -> Option<std::time::SystemTime> {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let (_, cert) = X509Certificate::from_der(der).ok()?;
+    let seconds = u64::try_from(cert.validity().not_after.timestamp()).ok()?;
+    Some(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(seconds))
+}
+
+/// When a TLS connection stops being good for new streams: the earlier end
+/// of the two leaves' validity (ours and the peer's). Open streams go on;
+/// new ones go over a connection made with current certificates, so an
+/// expired (e.g. not renewed, revoked by the CA) certificate is never what
+/// lets a new stream through.
+pub fn connection_expiry(
+    own: &rustls::sign::CertifiedKey,
+    peer: Option<&[rustls::pki_types::CertificateDer<'_>]>,
+) -> std::time::SystemTime {
+    let ends = [
+        own.cert.first().and_then(|c| not_after(c)),
+        peer.and_then(|p| p.first()).and_then(|c| not_after(c)),
+    ];
+    ends.into_iter()
+        .flatten()
+        .min()
+        .unwrap_or(std::time::SystemTime::UNIX_EPOCH)
+}
+
 /// The identity a certificate carries: its single SPIFFE URI SAN.
 pub fn identity_of(der: &[u8]) -> Option<Identity> {
     let sans = uri_sans(der);
