@@ -212,6 +212,14 @@ fn a_ca_outage_at_renewal_keeps_the_old_certificate_and_retries() {
     za.wait_for_log("certificate request failed", Duration::from_secs(5));
     // The old certificate is still valid and still used.
     flows::assert_ok(&s.flow());
+    let cg = TestCgroup::create(&format!("{}/metrics-client", s.cluster.prefix()));
+    let metrics = Ztunnel::metrics_of(&s.cluster, s.a, &cg);
+    let failed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ztunnel_certificate_requests_failed "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no ztunnel_certificate_requests_failed in {metrics}"));
+    assert!(failed >= 2, "failed requests counted: {failed}");
     assert!(
         za.log().contains("current_certificate_kept=true"),
         "the log does not say the old certificate is kept"

@@ -292,6 +292,8 @@ fn refresh_gauges(state: &AdminState) {
     m.pool_connections
         .set(shared.pool.open_connections() as i64);
     m.pool_reused.set(shared.pool.reused() as i64);
+    m.ca_failures.set(shared.certs.ca_failures() as i64);
+    m.cert_rotations.set(shared.certs.rotations() as i64);
     for cert in shared.certs.dump() {
         let labels = crate::telemetry::metrics::CertLabels {
             identity: cert.identity,

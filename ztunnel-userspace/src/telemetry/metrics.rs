@@ -163,6 +163,11 @@ pub struct Metrics {
     pub pool_reused: Gauge,
     /// `ztunnel_certificate_expiry_seconds` (unix time, set at scrape).
     pub cert_expiry: Family<CertLabels, Gauge>,
+    /// `ztunnel_certificate_requests_failed_total` (Istio's CA; set at
+    /// scrape).
+    pub ca_failures: Gauge,
+    /// `ztunnel_certificate_rotations_total` (set at scrape).
+    pub cert_rotations: Gauge,
     /// `ztunnel_active_connections`.
     pub active: Gauge<i64, AtomicI64>,
 }
@@ -197,6 +202,8 @@ impl Metrics {
             enrol_clients: Gauge::default(),
             pool_reused: Gauge::default(),
             cert_expiry: Family::default(),
+            ca_failures: Gauge::default(),
+            cert_rotations: Gauge::default(),
             active: Gauge::default(),
         };
         registry.register(
@@ -286,8 +293,18 @@ impl Metrics {
         );
         registry.register(
             "ztunnel_certificate_expiry_seconds",
-            "Expiry of each workload certificate (unix time)",
+            "Expiry of each workload certificate (unix time; 0 while the first is awaited)",
             this.cert_expiry.clone(),
+        );
+        registry.register(
+            "ztunnel_certificate_requests_failed",
+            "Certificate requests to Istio's CA that failed (retried with back-off)",
+            this.ca_failures.clone(),
+        );
+        registry.register(
+            "ztunnel_certificate_rotations",
+            "Workload certificates replaced at half-life",
+            this.cert_rotations.clone(),
         );
         registry.register(
             "ztunnel_active_connections",
