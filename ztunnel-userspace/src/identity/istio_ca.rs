@@ -198,8 +198,9 @@ impl IstioCa {
             return Err("the answer holds no certificate".to_owned());
         }
         // Leaf first, root last: the root is not sent to peers (they have
-        // it), so drop it when there is more than the leaf.
-        if chain.len() > 1 {
+        // it), so drop it. Only a self-signed last certificate is a root: a
+        // CA that ends its chain at an intermediate keeps it.
+        if chain.len() > 1 && chain.last().is_some_and(|c| self_signed(c)) {
             chain.pop();
         }
         let leaf = &chain[0];
@@ -267,6 +268,12 @@ impl IstioCa {
     }
 }
 
+/// Whether a certificate names itself as its issuer (a root).
+fn self_signed(der: &[u8]) -> bool {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    X509Certificate::from_der(der).is_ok_and(|(_, c)| c.subject().as_raw() == c.issuer().as_raw())
+}
+
 /// A CSR whose only SAN is the SPIFFE id.
 fn csr_pem(identity: &Identity, key: &rcgen::KeyPair) -> Result<String, rcgen::Error> {
     let mut params = rcgen::CertificateParams::default();
@@ -324,6 +331,123 @@ pub type SharedIstioCa = Arc<IstioCa>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A root, an intermediate under it, and a CA client trusting the root.
+    struct Pki {
+        dir: PathBuf,
+        root: rcgen::Certificate,
+        inter: rcgen::Certificate,
+        inter_issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+        other_issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+        ca: IstioCa,
+    }
+
+    fn ca_params(name: &str) -> rcgen::CertificateParams {
+        let mut p = rcgen::CertificateParams::default();
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, name.to_owned());
+        p
+    }
+
+    fn pki(tag: &str) -> Pki {
+        let dir = std::env::temp_dir().join(format!("zt-istio-ca-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let root_key = rcgen::KeyPair::generate().expect("key");
+        let root_params = ca_params("test root");
+        let root = root_params.self_signed(&root_key).expect("root");
+        let root_issuer = rcgen::Issuer::new(root_params, root_key);
+        let inter_key = rcgen::KeyPair::generate().expect("key");
+        let inter_params = ca_params("test intermediate");
+        let inter = inter_params
+            .signed_by(&inter_key, &root_issuer)
+            .expect("intermediate");
+        let inter_issuer = rcgen::Issuer::new(inter_params, inter_key);
+        let other_key = rcgen::KeyPair::generate().expect("key");
+        let other_issuer = rcgen::Issuer::new(ca_params("someone else's root"), other_key);
+        std::fs::write(dir.join("root.pem"), root.pem()).expect("write root");
+        let ca = IstioCa::new(IstioCaSettings {
+            address: "127.0.0.1:15012".to_owned(),
+            root_cert: dir.join("root.pem"),
+            token: dir.join("token"),
+            cluster_id: "c".to_owned(),
+            own_identity: Identity::new("cluster.local", "istio-system", "ztunnel"),
+            ttl: Duration::from_secs(3600),
+        })
+        .expect("client");
+        Pki {
+            dir,
+            root,
+            inter,
+            inter_issuer,
+            other_issuer,
+            ca,
+        }
+    }
+
+    fn leaf(
+        key: &rcgen::KeyPair,
+        san: &str,
+        issuer: &rcgen::Issuer<'static, rcgen::KeyPair>,
+    ) -> String {
+        let mut p = rcgen::CertificateParams::default();
+        p.subject_alt_names = vec![rcgen::SanType::URI(san.try_into().expect("uri"))];
+        p.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        p.signed_by(key, issuer).expect("leaf").pem()
+    }
+
+    #[tokio::test]
+    async fn answers_are_checked_before_use() {
+        let pki = pki("answers");
+        let id = Identity::new("cluster.local", "demo", "a1");
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).expect("key");
+        let good = leaf(&key, &id.to_string(), &pki.inter_issuer);
+        let (inter, root) = (pki.inter.pem(), pki.root.pem());
+
+        // leaf, intermediate, root: the root is dropped, the rest sent.
+        let cert = pki
+            .ca
+            .check_answer(&id, &key, &[good.clone(), inter.clone(), root.clone()])
+            .expect("a good answer");
+        assert_eq!(cert.chain.len(), 2);
+        // A chain that ends at the intermediate keeps it.
+        let cert = pki
+            .ca
+            .check_answer(&id, &key, &[good.clone(), inter.clone()])
+            .expect("no root in the answer");
+        assert_eq!(cert.chain.len(), 2);
+
+        let refused = |pems: &[String]| {
+            pki.ca
+                .check_answer(&id, &key, pems)
+                .expect_err("must be refused")
+        };
+        let other = leaf(
+            &key,
+            "spiffe://cluster.local/ns/demo/sa/b1",
+            &pki.inter_issuer,
+        );
+        assert!(
+            refused(&[other, inter.clone(), root.clone()]).contains("not the identity asked for")
+        );
+        let stranger_key = rcgen::KeyPair::generate().expect("key");
+        let not_ours = leaf(&stranger_key, &id.to_string(), &pki.inter_issuer);
+        assert!(refused(&[not_ours, inter.clone(), root.clone()]).contains("key of our CSR"));
+        let foreign = leaf(&key, &id.to_string(), &pki.other_issuer);
+        assert!(refused(&[foreign, root.clone()]).contains("does not verify"));
+        // Missing intermediate: cannot chain to the root.
+        assert!(refused(&[good, root]).contains("does not verify"));
+        assert!(refused(&[]).contains("no certificate"));
+        assert!(refused(&["junk".to_owned()]).contains("PEM"));
+        let _ = std::fs::remove_dir_all(&pki.dir);
+    }
 
     #[test]
     fn csr_carries_the_spiffe_id_and_impersonation_names_it() {
