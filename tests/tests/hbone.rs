@@ -148,7 +148,7 @@ fn a_burst_of_connections_shares_few_tls_connections() {
     let dst = SocketAddr::from((b1.ip, 8080));
     let _server = flows::server(b1, dst, "echo");
     let za = Ztunnel::start(&cluster, a, &["--config", config]);
-    let _zb = Ztunnel::start(&cluster, b, &["--config", config]);
+    let zb = Ztunnel::start(&cluster, b, &["--config", config]);
     za.wait_for_log("pod enrolled", Duration::from_secs(10));
 
     let mut cmd = a1.command(&probe_bin());
@@ -162,7 +162,16 @@ fn a_burst_of_connections_shares_few_tls_connections() {
         "2000",
     ]);
     let done = PodProcess::spawn("burst", cmd).wait(Duration::from_secs(120));
-    assert!(done.stdout.contains("BURST ok=500 failed=0"), "{done:?}");
+    if !done.stdout.contains("BURST ok=500 failed=0") {
+        // Why streams failed is in the warnings of either side.
+        let log = za.log() + &zb.log();
+        let warnings: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+            .take(20)
+            .collect();
+        panic!("{done:?}\nwarnings:\n{}", warnings.join("\n"));
+    }
     let handshakes = za.count_log_lines(&["HBONE connection established"]);
     // 500 streams at most 100 per connection: at least 1, never 500.
     assert!(

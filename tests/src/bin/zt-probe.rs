@@ -260,8 +260,24 @@ fn main() -> ExitCode {
     }
 }
 
+/// A listener with a deep accept queue: a burst of hundreds of connects
+/// (ztunnel opens them side by side) must not overflow it while this
+/// one-thread accept loop is slowed by a loaded machine; an overflow makes
+/// the kernel drop or reset connections, which would be blamed on ztunnel.
+fn bind_listener(listen: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(listen),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&listen.into())?;
+    socket.listen(4096)?;
+    Ok(socket.into())
+}
+
 fn server(listen: SocketAddr, mode: Mode, quiet: bool) -> ExitCode {
-    let listener = match TcpListener::bind(listen) {
+    let listener = match bind_listener(listen) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("bind {listen}: {e}");

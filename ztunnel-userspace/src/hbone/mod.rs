@@ -2,8 +2,9 @@
 //!
 //! - [`pool`]: the client side. HTTP/2 connections shared by streams with
 //!   the same (source pod, source identity, destination address,
-//!   destination identity); concurrent openers wait on one handshake, for
-//!   no longer than its time limits, and fail with it.
+//!   destination identity); up to 100 concurrent openers wait on one
+//!   handshake (more start opens beside it), for no longer than its time
+//!   limits, and fail with it.
 //! - [`server`]: the 15008 side. Terminates TLS and `CONNECT`, checks the
 //!   target, connects to the application from inside the pod with the
 //!   client's IP as source.

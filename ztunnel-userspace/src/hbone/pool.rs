@@ -80,6 +80,19 @@ enum Opening {
     Failed(Arc<str>),
 }
 
+/// An open under way, announced in its slot.
+struct PendingOpen {
+    /// Tells this open apart from the others of its slot.
+    id: u64,
+    outcome: watch::Receiver<Opening>,
+    /// Streams that chose to wait for it. Once they would fill the new
+    /// connection, the next stream starts another open beside it instead
+    /// of queueing behind it: a burst of N streams costs about N / 100
+    /// opens run side by side, and every stream waits for one open, not
+    /// for a queue of them.
+    waiters: usize,
+}
+
 /// The connections of one destination. Its lock is never held across an
 /// await: an open runs outside it, announced in `opening`, so a stalled
 /// handshake holds up only the streams that chose to wait for it, and them
@@ -87,7 +100,7 @@ enum Opening {
 #[derive(Default)]
 struct Slot {
     conns: Vec<Arc<PooledConn>>,
-    opening: Option<watch::Receiver<Opening>>,
+    opening: Vec<PendingOpen>,
     /// Taken out of the pool's map (its source pod left, or its last
     /// connection ended): a stream that still holds it looks the key up
     /// again instead of opening a connection nobody else would find.
@@ -172,7 +185,7 @@ fn drop_if_empty(slots: &Mutex<SlotMap>, key: &PoolKey, slot: &SlotRef) {
     let mut map = lock_map(slots);
     let mut inner = lock(slot);
     let listed = map.get(key).is_some_and(|s| Arc::ptr_eq(s, slot));
-    if listed && inner.conns.is_empty() && inner.opening.is_none() {
+    if listed && inner.conns.is_empty() && inner.opening.is_empty() {
         inner.detached = true;
         map.remove(key);
     }
@@ -180,9 +193,10 @@ fn drop_if_empty(slots: &Mutex<SlotMap>, key: &PoolKey, slot: &SlotRef) {
 
 /// Rounds of [`HbonePool::pick`] before giving up: each round takes a
 /// connection, opens one, or waits for an open that ended; only a
-/// connection filled by others in the meantime, or an opener whose client
-/// went away, sends a stream round again.
-const PICK_ROUNDS: usize = 4;
+/// connection filled by others in the meantime (streams that arrived
+/// while it opened), or an opener whose client went away, sends a stream
+/// round again. Each round is bounded in time by the open it waits for.
+const PICK_ROUNDS: usize = 6;
 
 /// How many connections one `CONNECT` is tried on when they turn out to be
 /// closed or going away before the stream was taken.
@@ -196,6 +210,8 @@ struct OpenGuard<'a> {
     slots: &'a Mutex<SlotMap>,
     key: &'a PoolKey,
     slot: &'a SlotRef,
+    /// Which of the slot's opens this is.
+    id: u64,
     /// `None` once the outcome is published.
     tx: Option<watch::Sender<Opening>>,
 }
@@ -204,7 +220,7 @@ impl OpenGuard<'_> {
     fn finish(mut self, conn: Result<&Arc<PooledConn>, &HboneError>) {
         let outcome = {
             let mut slot = lock(self.slot);
-            slot.opening = None;
+            slot.opening.retain(|o| o.id != self.id);
             match conn {
                 Ok(conn) => {
                     if slot.detached {
@@ -229,11 +245,10 @@ impl OpenGuard<'_> {
 
 impl Drop for OpenGuard<'_> {
     fn drop(&mut self) {
-        // Not finished: the opening stream went away mid-open. While our
-        // sender lives nobody else can have announced an open, so the
-        // announcement cleared here is ours.
+        // Not finished: the opening stream went away mid-open. Its
+        // waiters see the sender dropped and look again.
         if self.tx.is_some() {
-            lock(self.slot).opening = None;
+            lock(self.slot).opening.retain(|o| o.id != self.id);
             drop_if_empty(self.slots, self.key, self.slot);
         }
     }
@@ -242,7 +257,7 @@ impl Drop for OpenGuard<'_> {
 /// What a stream does after looking at its slot.
 enum Pick {
     Take(Arc<PooledConn>),
-    Open(watch::Sender<Opening>),
+    Open(watch::Sender<Opening>, u64),
     Wait(watch::Receiver<Opening>),
     /// The slot left the map between the lookup and the look: look again.
     Moved,
@@ -255,6 +270,7 @@ pub struct HbonePool {
     settings: PoolSettings,
     metrics: Arc<Metrics>,
     next_id: AtomicU64,
+    next_open: AtomicU64,
     handshakes: AtomicU64,
     reused: AtomicU64,
 }
@@ -300,6 +316,7 @@ impl HbonePool {
             settings,
             metrics,
             next_id: AtomicU64::new(1),
+            next_open: AtomicU64::new(0),
             handshakes: AtomicU64::new(0),
             reused: AtomicU64::new(0),
         }
@@ -449,8 +466,8 @@ impl HbonePool {
     /// A connection of `slot` with room for a stream, with that stream
     /// counted. When none has room, the first stream opens one and the
     /// streams arriving meanwhile wait for it (a burst shares one
-    /// handshake), for no longer than an open may take; when the open
-    /// fails they fail with it.
+    /// handshake per 100 streams, see [`PendingOpen::waiters`]), for no
+    /// longer than an open may take; when the open fails they fail with it.
     async fn pick(
         &self,
         key: &PoolKey,
@@ -477,12 +494,23 @@ impl HbonePool {
                 } else if let Some(conn) = found {
                     conn.streams.fetch_add(1, Ordering::AcqRel);
                     Pick::Take(conn)
-                } else if let Some(opening) = &slot.opening {
-                    Pick::Wait(opening.clone())
+                } else if let Some(open) = slot
+                    .opening
+                    .iter_mut()
+                    // The opener's own stream is one of the connection's.
+                    .find(|o| o.waiters + 1 < CLIENT_MAX_STREAMS)
+                {
+                    open.waiters += 1;
+                    Pick::Wait(open.outcome.clone())
                 } else {
                     let (tx, rx) = watch::channel(Opening::Pending);
-                    slot.opening = Some(rx);
-                    Pick::Open(tx)
+                    let id = self.next_open.fetch_add(1, Ordering::Relaxed);
+                    slot.opening.push(PendingOpen {
+                        id,
+                        outcome: rx,
+                        waiters: 0,
+                    });
+                    Pick::Open(tx, id)
                 }
             };
             match next {
@@ -490,11 +518,12 @@ impl HbonePool {
                     self.reused.fetch_add(1, Ordering::Relaxed);
                     return Ok(conn);
                 }
-                Pick::Open(tx) => {
+                Pick::Open(tx, id) => {
                     let guard = OpenGuard {
                         slots: &self.slots,
                         key,
                         slot: &slot,
+                        id,
                         tx: Some(tx),
                     };
                     let home = Home {
