@@ -48,6 +48,8 @@ pub struct Settings {
     pub cleanup: bool,
     /// Local-mode config file.
     pub config: Option<PathBuf>,
+    /// istiod's xDS instead of the config file.
+    pub xds: Option<Xds>,
     /// Overrides the config's trust domain.
     pub trust_domain: Option<String>,
     /// This node's name (workloads with this `node` are enrolled).
@@ -108,6 +110,13 @@ pub enum CaSource {
     Istio(IstioCa),
 }
 
+/// How to reach istiod's xDS, and who ztunnel is to it.
+#[derive(Debug, Clone)]
+pub struct Xds {
+    /// Address, root, credentials, node id and metadata.
+    pub settings: crate::xds::XdsSettings,
+}
+
 /// How to reach Istio's CA, and who ztunnel is to it.
 #[derive(Debug, Clone)]
 pub struct IstioCa {
@@ -158,6 +167,9 @@ pub enum AppError {
     /// The admin servers could not start.
     #[error(transparent)]
     Admin(#[from] crate::admin::AdminError),
+    /// The xDS client could not be set up.
+    #[error(transparent)]
+    Xds(#[from] crate::xds::XdsError),
 }
 
 /// Runs the daemon until SIGTERM/SIGINT, then drains.
@@ -229,9 +241,26 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
             CertManager::istio(client, settings.cert_lifetime)?
         }
     });
+    // Checked before the kernel is touched, like the config file.
+    let xds = match &settings.xds {
+        Some(xds) => {
+            let _in_runtime = runtime.enter();
+            let mut xds_settings = xds.settings.clone();
+            xds_settings.trust_domain.clone_from(&trust_domain);
+            let client = crate::xds::XdsClient::new(xds_settings)?;
+            tracing::info!(
+                xds = %xds.settings.address,
+                server_name = client.server_name(),
+                node_id = %xds.settings.node_id,
+                "workloads, services and policies come from istiod (xDS)"
+            );
+            Some(client)
+        }
+        None => None,
+    };
     let mut base = initial.clone().unwrap_or_default();
     base.trust_domain.clone_from(&trust_domain);
-    let state = StateHandle::new(MeshState::new(base));
+    let state = StateHandle::for_node(MeshState::new(base), &settings.node_name);
     let metrics = crate::telemetry::Metrics::new();
     let limits = crate::limits::NodeLimits::new(settings.limits, Arc::clone(&metrics));
     let shared = Shared {
@@ -252,6 +281,18 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         timeouts: settings.timeouts,
         limits,
     };
+    let xds_synced = xds.map(|client| {
+        let (synced, watch) = tokio::sync::watch::channel(false);
+        let shared = shared.clone();
+        let publish = move |config| {
+            let closed = shared.publish_state(MeshState::new(config));
+            if closed > 0 {
+                tracing::info!(closed, "open connections closed by the new policy");
+            }
+        };
+        runtime.spawn(client.run(publish, synced));
+        watch
+    });
 
     let pins = if kernel {
         PinRoot::prepare(&settings.bpffs)?
@@ -383,10 +424,29 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         )
     };
     // Programs attached, pods enrolled (their certificates issued on
-    // enrolment), first config applied.
-    crate::admin::set_ready(&ready, true);
+    // enrolment), first config applied; with xDS, once istiod's first
+    // workloads and policies are in (a ztunnel that knows no policy yet
+    // must not be sent traffic).
+    let becoming_ready = match xds_synced {
+        None => {
+            crate::admin::set_ready(&ready, true);
+            tracing::info!("ztunnel ready");
+            None
+        }
+        Some(mut synced) => {
+            tracing::info!(
+                "waiting for istiod's first workloads and policies before reporting ready"
+            );
+            let ready = Arc::clone(&ready);
+            Some(runtime.spawn(async move {
+                if synced.wait_for(|s| *s).await.is_ok() {
+                    crate::admin::set_ready(&ready, true);
+                    tracing::info!("ztunnel ready");
+                }
+            }))
+        }
+    };
     crate::memory::release_startup_heap();
-    tracing::info!("ztunnel ready");
     runtime.block_on(async {
         tokio::select! {
             _ = int.recv() => {}
@@ -396,6 +456,9 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
 
     // Drain: stop accepting, let open connections finish until the
     // deadline; a second signal exits at once.
+    if let Some(task) = becoming_ready {
+        task.abort();
+    }
     crate::admin::set_ready(&ready, false);
     registry.stop_listeners();
     registry.shared().draining.send_replace(true);

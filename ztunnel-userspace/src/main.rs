@@ -99,8 +99,27 @@ struct RunArgs {
     #[arg(long, env = "ZTUNNEL_CLEANUP")]
     cleanup: bool,
     /// Local-mode config file (workloads, services; watched for changes).
-    #[arg(long, env = "ZTUNNEL_CONFIG")]
+    #[arg(long, env = "ZTUNNEL_CONFIG", conflicts_with = "xds_address")]
     config: Option<PathBuf>,
+    /// istiod's xDS address, `host:port` (Istio's is
+    /// istiod.istio-system.svc:15012). With it ztunnel learns workloads,
+    /// services and policies from istiod (delta ADS) and is ready only once
+    /// both were received; without it, from --config (local mode).
+    #[arg(long, env = "XDS_ADDRESS")]
+    xds_address: Option<String>,
+    /// Root certificate(s) (PEM) istiod's xDS certificate must chain to.
+    #[arg(
+        long,
+        env = "XDS_ROOT_CA",
+        default_value = "/var/run/secrets/istio/root-cert.pem"
+    )]
+    xds_root_cert: PathBuf,
+    /// This ztunnel's pod name (the xDS node id and metadata).
+    #[arg(long, env = "POD_NAME", default_value = "ztunnel")]
+    pod_name: String,
+    /// This ztunnel's pod IP (the xDS node id and `INSTANCE_IPS`).
+    #[arg(long, env = "INSTANCE_IP", default_value = "")]
+    instance_ip: String,
     /// Trust domain of the mesh; overrides the config file's `trustDomain`.
     #[arg(long, env = "ZTUNNEL_TRUST_DOMAIN")]
     trust_domain: Option<String>,
@@ -402,6 +421,29 @@ fn settings(args: RunArgs) -> app::Settings {
         tc_mode: args.tc_mode,
         cleanup: args.cleanup,
         config: args.config,
+        xds: args.xds_address.map(|address| app::Xds {
+            settings: ztunnel::xds::XdsSettings {
+                address,
+                root_cert: args.xds_root_cert,
+                token: args.auth_token.clone(),
+                cluster_id: args.cluster_id.clone(),
+                node_id: ztunnel::xds::node_id(
+                    &args.instance_ip,
+                    &args.pod_name,
+                    &args.pod_namespace,
+                ),
+                metadata: ztunnel::xds::node_metadata(
+                    &args.pod_name,
+                    &args.pod_namespace,
+                    &args.instance_ip,
+                    &args.node_name,
+                    &args.cluster_id,
+                    std::env::vars(),
+                ),
+                // Set by the app from the resolved trust domain.
+                trust_domain: String::new(),
+            },
+        }),
         trust_domain: args.trust_domain,
         node_name: args.node_name,
         exclusions: capture::maps::Exclusions {

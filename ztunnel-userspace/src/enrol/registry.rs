@@ -626,6 +626,12 @@ impl PodRegistry {
     /// [`Self::remove`] for a caller that holds `changes`.
     fn remove_locked(&self, uid: &str) -> Result<bool, EnrolError> {
         self.forget_failed(uid)?;
+        self.shared
+            .state
+            .pods()
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(uid);
         self.remove_enrolled(uid)
     }
 

@@ -15,23 +15,23 @@
 //! file (`CA_ROOT_CA`), the same root workload certificates chain to.
 
 use std::{
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::Arc,
     time::{Duration, SystemTime},
 };
 
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, UnixTime};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::transport::Channel;
 
 use super::{Identity, IdentityError, ca::WorkloadCert, identity_of};
+use crate::istiod::{self, Calls, ChannelError};
 use crate::proto::istio_ca::{
     IstioCertificateRequest, istio_certificate_service_client::IstioCertificateServiceClient,
 };
 
 /// The whole call (connect, TLS, request, answer) must end within this.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(20);
-/// TCP connect to the CA.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+use istiod::CONNECT_TIMEOUT;
 /// The metadata key istiod reads the identity to sign for from, when the
 /// caller (ztunnel) asks on behalf of a workload.
 pub const IMPERSONATED_IDENTITY: &str = "ImpersonatedIdentity";
@@ -75,51 +75,30 @@ impl IstioCa {
     /// Reads the root file and prepares the channel; nothing is dialled
     /// until the first certificate is asked for.
     pub fn new(settings: IstioCaSettings) -> Result<Self, IdentityError> {
-        let address = settings
-            .address
-            .strip_prefix("https://")
-            .unwrap_or(&settings.address)
-            .to_owned();
-        let bad_address = |message: String| IdentityError::CaAddress {
-            address: settings.address.clone(),
-            message,
-        };
-        let uri: http::Uri = format!("https://{address}")
-            .parse()
-            .map_err(|e| bad_address(format!("{e}")))?;
-        let host = uri
-            .host()
-            .filter(|h| !h.is_empty())
-            .ok_or_else(|| bad_address("no host".to_owned()))?
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_owned();
-        if uri.port_u16().is_none() {
-            return Err(bad_address("no port (istiod's is 15012)".to_owned()));
-        }
-        let root_pem =
-            std::fs::read_to_string(&settings.root_cert).map_err(|e| IdentityError::CaFile {
+        let made = istiod::channel(
+            &settings.address,
+            &settings.root_cert,
+            Calls::Bounded(CALL_TIMEOUT),
+        )
+        .map_err(|e| match e {
+            ChannelError::Address(message) => IdentityError::CaAddress {
+                address: settings.address.clone(),
+                message,
+            },
+            ChannelError::Root(message) => IdentityError::CaFile {
                 path: settings.root_cert.clone(),
-                message: e.to_string(),
-            })?;
-        let roots = parse_pem_certs(&root_pem).map_err(|message| IdentityError::CaFile {
+                message,
+            },
+        })?;
+        let roots = parse_pem_certs(&made.root_pem).map_err(|message| IdentityError::CaFile {
             path: settings.root_cert.clone(),
             message,
         })?;
-        let tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&root_pem))
-            .domain_name(host.clone());
-        let channel = Endpoint::from(uri)
-            .tls_config(tls)
-            .map_err(|e| bad_address(e.to_string()))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(CALL_TIMEOUT)
-            .connect_lazy();
         Ok(Self {
             settings,
-            host,
+            host: made.host,
             roots,
-            channel,
+            channel: made.channel,
         })
     }
 
@@ -148,34 +127,25 @@ impl IstioCa {
         let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
             .map_err(|e| err(format!("generating a key: {e}")))?;
         let csr = csr_pem(identity, &key).map_err(|e| err(format!("making the CSR: {e}")))?;
-        let token = read_token(&self.settings.token).map_err(err)?;
         let mut request = tonic::Request::new(IstioCertificateRequest {
             csr,
             validity_duration: i64::try_from(self.settings.ttl.as_secs()).unwrap_or(i64::MAX),
             metadata: (identity != &self.settings.own_identity).then(|| impersonation(identity)),
         });
         request.set_timeout(CALL_TIMEOUT);
-        let headers = request.metadata_mut();
-        headers.insert(
-            "authorization",
-            format!("Bearer {token}")
-                .parse()
-                .map_err(|_| err("the token is not valid in a header".to_owned()))?,
-        );
-        headers.insert(
-            "clusterid",
-            self.settings
-                .cluster_id
-                .parse()
-                .map_err(|_| err("the cluster id is not valid in a header".to_owned()))?,
-        );
+        istiod::authenticate(
+            &mut request,
+            &self.settings.token,
+            &self.settings.cluster_id,
+        )
+        .map_err(err)?;
         let mut client = IstioCertificateServiceClient::new(self.channel.clone());
         let call = client.create_certificate(request);
         // tonic's own timeouts cover connect and the call; this one covers
         // anything they miss (every wait in the product has a bound).
         let response = match tokio::time::timeout(CALL_TIMEOUT + CONNECT_TIMEOUT, call).await {
             Err(_) => return Err(err(format!("no answer within {CALL_TIMEOUT:?}"))),
-            Ok(Err(status)) => return Err(err(describe(&status))),
+            Ok(Err(status)) => return Err(err(istiod::describe(&status))),
             Ok(Ok(response)) => response.into_inner(),
         };
         self.check_answer(identity, &key, &response.cert_chain)
@@ -292,26 +262,6 @@ fn impersonation(identity: &Identity) -> prost_types::Struct {
             },
         )]
         .into(),
-    }
-}
-
-fn read_token(path: &Path) -> Result<String, String> {
-    let token = std::fs::read_to_string(path)
-        .map_err(|e| format!("reading the token {}: {e}", path.display()))?;
-    let token = token.trim();
-    if token.is_empty() {
-        return Err(format!("the token file {} is empty", path.display()));
-    }
-    Ok(token.to_owned())
-}
-
-/// A gRPC status in a sentence, with the code's name.
-fn describe(status: &tonic::Status) -> String {
-    let message = status.message();
-    if message.is_empty() {
-        format!("{:?}", status.code())
-    } else {
-        format!("{:?}: {message}", status.code())
     }
 }
 

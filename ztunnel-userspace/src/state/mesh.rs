@@ -48,6 +48,25 @@ pub enum OutboundTrafficPolicy {
     RegistryOnly,
 }
 
+/// What an enroller said about a pod: how an enrolled pod is matched to
+/// its workload when the control plane names workloads by another id than
+/// the enrolment's uid (istiod's `Kubernetes//Pod/ns/name` against the pod
+/// uid istio-cni sends): by node, namespace, service account and name, as
+/// Istio's ztunnel does.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PodName {
+    /// Kubernetes namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub name: String,
+    /// Service account.
+    pub service_account: String,
+}
+
+/// Enrolled pods' names by enrolment uid, shared by every state published
+/// through one [`StateHandle`] (pods come and go between pushes).
+pub type PodDirectory = Arc<RwLock<HashMap<String, PodName>>>;
+
 /// Indexed mesh state.
 #[derive(Debug, Default)]
 pub struct MeshState {
@@ -56,6 +75,9 @@ pub struct MeshState {
     by_uid: HashMap<String, usize>,
     by_vip: HashMap<IpAddr, usize>,
     round_robin: Vec<AtomicUsize>,
+    /// This node's workloads by name (see [`PodName`]).
+    by_pod_name: HashMap<PodName, usize>,
+    pods: PodDirectory,
 }
 
 impl MeshState {
@@ -86,7 +108,30 @@ impl MeshState {
             by_uid,
             by_vip: vip_index,
             round_robin,
+            by_pod_name: HashMap::new(),
+            pods: PodDirectory::default(),
         }
+    }
+
+    /// Lets [`Self::workload`] find this node's workloads by the names
+    /// enrollers gave (`pods`) when their uid is not the workload's.
+    fn attach_pods(&mut self, pods: PodDirectory, node: &str) {
+        self.by_pod_name = self
+            .config
+            .workloads
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| !node.is_empty() && w.node == node)
+            .map(|(i, w)| {
+                let name = PodName {
+                    namespace: w.namespace.clone(),
+                    name: w.name.clone(),
+                    service_account: w.service_account.clone(),
+                };
+                (name, i)
+            })
+            .collect();
+        self.pods = pods;
     }
 
     /// The config it was built from.
@@ -104,14 +149,30 @@ impl MeshState {
         self.by_ip.get(&ip).map(|i| &self.config.workloads[*i])
     }
 
-    /// The workload with `uid`.
+    /// The workload with `uid`, or the one of this node an enrolled pod
+    /// with that uid is matched to by name ([`PodName`]).
     pub fn workload(&self, uid: &str) -> Option<&Workload> {
-        self.by_uid.get(uid).map(|i| &self.config.workloads[*i])
+        let index = self.by_uid.get(uid).copied().or_else(|| {
+            let pods = self
+                .pods
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            pods.get(uid)
+                .and_then(|name| self.by_pod_name.get(name))
+                .copied()
+        })?;
+        self.config.workloads.get(index)
     }
 
-    /// The identity of a workload.
+    /// The identity of a workload (in its own trust domain, if it has one).
     pub fn identity(&self, w: &Workload) -> Identity {
-        Identity::new(&self.config.trust_domain, &w.namespace, &w.service_account)
+        Identity::new(
+            w.trust_domain
+                .as_deref()
+                .unwrap_or(&self.config.trust_domain),
+            &w.namespace,
+            &w.service_account,
+        )
     }
 
     /// Resolves a name (a workload name, `name.namespace`, or a service
@@ -287,30 +348,53 @@ impl MeshState {
     }
 }
 
-/// Shared, swappable mesh state (replaced whole on config reload).
+/// Shared, swappable mesh state (replaced whole on config reload or xDS
+/// push), with the directory of enrolled pods every state is given.
 #[derive(Debug, Clone, Default)]
-pub struct StateHandle(Arc<RwLock<Arc<MeshState>>>);
+pub struct StateHandle {
+    current: Arc<RwLock<Arc<MeshState>>>,
+    pods: PodDirectory,
+    node: Arc<str>,
+}
 
 impl StateHandle {
-    /// A handle holding `state`.
+    /// A handle holding `state`, matching pods by name on no node.
     pub fn new(state: MeshState) -> Self {
-        Self(Arc::new(RwLock::new(Arc::new(state))))
+        Self::for_node(state, "")
+    }
+
+    /// A handle holding `state` for node `node`: its pods are matched to
+    /// workloads by the names in [`Self::pods`] too.
+    pub fn for_node(mut state: MeshState, node: &str) -> Self {
+        let pods = PodDirectory::default();
+        state.attach_pods(Arc::clone(&pods), node);
+        Self {
+            current: Arc::new(RwLock::new(Arc::new(state))),
+            pods,
+            node: node.into(),
+        }
+    }
+
+    /// The enrolled pods' names, filled by the enrollers.
+    pub fn pods(&self) -> &PodDirectory {
+        &self.pods
     }
 
     /// The current state.
     pub fn current(&self) -> Arc<MeshState> {
         Arc::clone(
             &self
-                .0
+                .current
                 .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
     }
 
     /// Replaces the state.
-    pub fn replace(&self, state: MeshState) {
+    pub fn replace(&self, mut state: MeshState) {
+        state.attach_pods(Arc::clone(&self.pods), &self.node);
         *self
-            .0
+            .current
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(state);
     }

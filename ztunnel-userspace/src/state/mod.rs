@@ -7,6 +7,6 @@ pub mod policy;
 pub mod service;
 pub mod workload;
 
-pub use mesh::{MeshState, Route, StateHandle};
+pub use mesh::{MeshState, PodDirectory, PodName, Route, StateHandle};
 pub use service::Service;
 pub use workload::{CaptureOptOut, Workload, WorkloadProtocol};

@@ -87,7 +87,7 @@ pub struct Operation {
     pub not_ports: Vec<u16>,
 }
 
-/// A rule: `from` and `to`.
+/// A rule: `from` and `to`, and `clauses`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Rule {
@@ -97,6 +97,20 @@ pub struct Rule {
     /// Operations (any may match).
     #[serde(default)]
     pub to: Vec<Operation>,
+    /// Istio's general form, as xDS delivers it: every clause must match,
+    /// and a clause matches when any of its rules does. `from`/`to` are the
+    /// common case of two clauses; a policy written by hand rarely needs
+    /// this.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clauses: Vec<Clause>,
+}
+
+/// One clause of [`Rule::clauses`]: any of its rules.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Clause {
+    /// Alternatives (any may match).
+    pub any: Vec<Rule>,
 }
 
 /// An authorization policy.
@@ -235,11 +249,12 @@ impl Source {
         let any = |list: &[String], value: Option<&str>, f: fn(&str, &str) -> bool| {
             value.is_some_and(|v| list.iter().any(|p| f(p, v)))
         };
-        let eq = |a: &str, b: &str| a == b;
+        // Namespaces take the same `*` patterns as principals (Istio's
+        // prefix/suffix/presence matches arrive that way from xDS).
         (self.principals.is_empty() || any(&self.principals, id.as_deref(), principal_matches))
             && !any(&self.not_principals, id.as_deref(), principal_matches)
-            && (self.namespaces.is_empty() || any(&self.namespaces, ns, eq))
-            && !any(&self.not_namespaces, ns, eq)
+            && (self.namespaces.is_empty() || any(&self.namespaces, ns, principal_matches))
+            && !any(&self.not_namespaces, ns, principal_matches)
             && (self.ip_blocks.is_empty() || in_cidrs(&self.ip_blocks, peer.ip))
             && !in_cidrs(&self.not_ip_blocks, peer.ip)
     }
@@ -255,6 +270,10 @@ impl Rule {
     fn matches(&self, peer: &Peer<'_>, port: u16) -> bool {
         (self.from.is_empty() || self.from.iter().any(|s| s.matches(peer)))
             && (self.to.is_empty() || self.to.iter().any(|o| o.matches(port)))
+            && self
+                .clauses
+                .iter()
+                .all(|c| c.any.iter().any(|r| r.matches(peer, port)))
     }
 }
 

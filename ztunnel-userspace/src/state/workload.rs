@@ -71,6 +71,10 @@ pub struct Workload {
     /// Labels (for policy selectors).
     #[serde(default)]
     pub labels: std::collections::BTreeMap<String, String>,
+    /// The workload's own trust domain, when it is not the mesh's (xDS
+    /// carries one per workload; multi-cluster meshes differ).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trust_domain: Option<String>,
 }
 
 fn default_sa() -> String {
@@ -78,11 +82,14 @@ fn default_sa() -> String {
 }
 
 impl Workload {
-    /// The SPIFFE identity of the workload in `trust_domain`.
+    /// The SPIFFE identity of the workload: in its own trust domain if it
+    /// has one, else in the mesh's `trust_domain`.
     pub fn identity(&self, trust_domain: &str) -> String {
         format!(
-            "spiffe://{trust_domain}/ns/{}/sa/{}",
-            self.namespace, self.service_account
+            "spiffe://{}/ns/{}/sa/{}",
+            self.trust_domain.as_deref().unwrap_or(trust_domain),
+            self.namespace,
+            self.service_account
         )
     }
 }
