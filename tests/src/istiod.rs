@@ -1,4 +1,5 @@
 //! A fake istiod: Istio's certificate service (`IstioCertificateService`)
+//! and delta ADS ([`crate::ads`]),
 //! over gRPC with TLS, inside a test namespace, checking what istiod checks
 //! (the bearer token, the impersonated identity against the CSR's SAN) and
 //! recording every request. Its root signs both its own TLS certificate
@@ -20,7 +21,11 @@ use ztunnel::proto::istio_ca::{
     istio_certificate_service_server::{IstioCertificateService, IstioCertificateServiceServer},
 };
 
-use crate::netns::TestNetns;
+use crate::{
+    ads::{Ads, XdsState},
+    netns::TestNetns,
+};
+use ztunnel::proto::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 
 /// istiod's port for xDS and the CA.
 pub const ISTIOD_PORT: u16 = 15012;
@@ -65,6 +70,8 @@ pub struct FakeIstiod {
     pub token_file: PathBuf,
     /// The token it wants.
     pub token: String,
+    /// The xDS side: what it serves, what it was asked.
+    pub xds: Arc<XdsState>,
     shared: Arc<Shared>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
@@ -241,6 +248,11 @@ impl FakeIstiod {
             root_pem: root.pem(),
             issuer,
         };
+        let xds = Arc::new(XdsState::default());
+        let ads = Ads {
+            state: Arc::clone(&xds),
+            token: token.clone(),
+        };
         let identity = tonic::transport::Identity::from_pem(
             format!("{}{}", server_cert.pem(), root.pem()),
             server_key.serialize_pem(),
@@ -269,6 +281,7 @@ impl FakeIstiod {
                     .expect("server TLS")
                     .timeout(Duration::from_secs(10))
                     .add_service(IstioCertificateServiceServer::new(ca))
+                    .add_service(AggregatedDiscoveryServiceServer::new(ads))
                     .serve_with_incoming_shutdown(incoming, async {
                         let _ = stop_rx.await;
                     })
@@ -286,6 +299,7 @@ impl FakeIstiod {
             root_cert,
             token_file,
             token,
+            xds,
             shared,
             stop: Some(stop_tx),
             thread: Some(thread),
@@ -303,6 +317,17 @@ impl FakeIstiod {
             self.token_file.display().to_string(),
             "--cluster-id".into(),
             "test-cluster".into(),
+        ]
+    }
+
+    /// ztunnel's flags for this istiod's xDS (with [`Self::ztunnel_args`],
+    /// which carry the token and cluster id).
+    pub fn xds_args(&self) -> Vec<String> {
+        vec![
+            "--xds-address".into(),
+            self.addr.to_string(),
+            "--xds-root-cert".into(),
+            self.root_cert.display().to_string(),
         ]
     }
 

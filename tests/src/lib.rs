@@ -11,6 +11,7 @@
 //! Tests touch only addresses inside namespaces they created (`10.244.0.0/16`
 //! and `fd00:10:244::/64` on the fabric bridge).
 
+pub mod ads;
 pub mod bpffs;
 pub mod cgroup;
 pub mod cluster;

@@ -142,10 +142,10 @@ impl XdsClient {
             }
             match outcome {
                 Ok(()) => {
-                    tracing::info!(xds = %self.settings.address, retry_in = ?backoff, "xDS stream closed by istiod; serving the last state until it is back")
+                    tracing::info!(xds = %self.settings.address, retry_in = ?backoff, "xDS stream closed by istiod; serving the last state until it is back");
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "xDS stream failed; serving the last state until it is back")
+                    tracing::warn!(error = %e, retry_in = ?backoff, "xDS stream failed; serving the last state until it is back");
                 }
             }
             tokio::time::sleep(backoff).await;
@@ -234,7 +234,7 @@ impl XdsClient {
             };
             first = false;
             *delivered = true;
-            let (reply, changed) = store.apply(response);
+            let (reply, changed) = store.apply(&response);
             if changed {
                 publish(convert::to_config(
                     &self.settings.trust_domain,
@@ -254,7 +254,7 @@ impl XdsClient {
 impl Store {
     /// Applies one response; returns the ACK or NACK for it and whether
     /// the state changed.
-    fn apply(&mut self, response: DeltaDiscoveryResponse) -> (DeltaDiscoveryRequest, bool) {
+    fn apply(&mut self, response: &DeltaDiscoveryResponse) -> (DeltaDiscoveryRequest, bool) {
         let reply = |error: Option<String>| DeltaDiscoveryRequest {
             type_url: response.type_url.clone(),
             response_nonce: response.nonce.clone(),
@@ -289,7 +289,7 @@ impl Store {
                 Ok(accepted) => {
                     match accepted {
                         Accepted::Address(a) => {
-                            self.resources.addresses.insert(name.to_owned(), a);
+                            self.resources.addresses.insert(name.to_owned(), *a);
                         }
                         Accepted::Policy(p) => {
                             self.resources.policies.insert(name.to_owned(), p);
@@ -328,7 +328,7 @@ impl Store {
 }
 
 enum Accepted {
-    Address(Address),
+    Address(Box<Address>),
     Policy(Option<crate::state::policy::Policy>),
 }
 
@@ -354,7 +354,7 @@ fn accept(
         let address =
             Address::decode(body.value.as_slice()).map_err(|e| format!("undecodable: {e}"))?;
         convert::check_address(&address)?;
-        Ok(Accepted::Address(address))
+        Ok(Accepted::Address(Box::new(address)))
     } else {
         let policy = Authorization::decode(body.value.as_slice())
             .map_err(|e| format!("undecodable: {e}"))?;
@@ -403,7 +403,7 @@ mod tests {
             ],
             ..DeltaDiscoveryResponse::default()
         };
-        let (reply, changed) = store.apply(response);
+        let (reply, changed) = store.apply(&response);
         assert!(changed);
         assert_eq!(reply.response_nonce, "n1");
         assert_eq!(reply.type_url, ADDRESS_TYPE);
@@ -420,7 +420,7 @@ mod tests {
             removed_resources: vec!["good".into()],
             ..DeltaDiscoveryResponse::default()
         };
-        let (reply, changed) = store.apply(response);
+        let (reply, changed) = store.apply(&response);
         assert!(changed && reply.error_detail.is_none());
         assert!(store.acked.contains(ADDRESS_TYPE));
         assert!(store.resources.addresses.is_empty());
@@ -430,7 +430,7 @@ mod tests {
     #[test]
     fn a_push_of_an_unsubscribed_type_or_mismatched_body_is_refused() {
         let mut store = Store::default();
-        let (reply, changed) = store.apply(DeltaDiscoveryResponse {
+        let (reply, changed) = store.apply(&DeltaDiscoveryResponse {
             type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".into(),
             nonce: "n".into(),
             ..DeltaDiscoveryResponse::default()
@@ -440,7 +440,7 @@ mod tests {
         if let Some(body) = &mut wrong.resource {
             body.type_url = AUTHORIZATION_TYPE.into();
         }
-        let (reply, _) = store.apply(DeltaDiscoveryResponse {
+        let (reply, _) = store.apply(&DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
             resources: vec![wrong],
             ..DeltaDiscoveryResponse::default()

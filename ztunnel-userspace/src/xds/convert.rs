@@ -379,7 +379,7 @@ mod tests {
                 uid: uid.into(),
                 name: name.into(),
                 namespace: "test".into(),
-                addresses: vec![ip.to_vec().into()],
+                addresses: vec![ip.to_vec()],
                 tunnel_protocol: xds::TunnelProtocol::Hbone as i32,
                 trust_domain: "cluster.local".into(),
                 service_account: name.into(),
@@ -413,7 +413,7 @@ mod tests {
                 hostname: "web.test.svc.cluster.local".into(),
                 addresses: vec![xds::NetworkAddress {
                     network: String::new(),
-                    address: vec![10, 96, 0, 1].into(),
+                    address: vec![10, 96, 0, 1],
                     ..xds::NetworkAddress::default()
                 }],
                 ports: vec![xds::Port {
@@ -462,7 +462,7 @@ mod tests {
     fn malformed_or_unsupported_resources_are_refused_by_name() {
         let mut bad = pod("u", "b1", [10, 0, 0, 2], &[]);
         if let Some(xds::address::Type::Workload(w)) = &mut bad.r#type {
-            w.addresses = vec![vec![1, 2, 3].into()];
+            w.addresses = vec![vec![1, 2, 3]];
         }
         let e = check_address(&bad).expect_err("3-byte address");
         assert!(e.contains("test/b1") && e.contains("3 bytes"), "{e}");
@@ -575,7 +575,7 @@ mod tests {
             clauses: vec![security::Clause {
                 matches: vec![security::Match {
                     destination_ips: vec![security::Address {
-                        address: vec![10, 0, 0, 1].into(),
+                        address: vec![10, 0, 0, 1],
                         length: 32,
                     }],
                     ..security::Match::default()

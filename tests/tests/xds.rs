@@ -1,0 +1,329 @@
+//! ztunnel under istiod's control plane: workloads, services and policies
+//! arrive over delta ADS from a (fake) istiod; pods enrolled over the
+//! socket with istio-cni's uid are matched to istiod's workloads by name;
+//! policy pushes apply to new connections; a resource that does not
+//! validate is NACKed by name while the rest keeps working; a cut stream
+//! resumes from the versions ztunnel holds.
+
+use std::{
+    net::SocketAddr,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use ztunnel::proto::istio::{
+    security::{self, Authorization, string_match::MatchType},
+    workload::{Address, TunnelProtocol, Workload, address},
+};
+use ztunnel_tests::{
+    Cluster,
+    ads::XdsRequestSeen,
+    flows::{self, ClientRun},
+    istiod::FakeIstiod,
+    process::Finished,
+    require_root,
+    ztunnel::{Ztunnel, sibling_bin},
+};
+
+/// node-a with a1 and a2, node-b with b1, and istiod's node.
+struct Setup {
+    cluster: Cluster,
+    istiod: FakeIstiod,
+    a: usize,
+    b: usize,
+}
+
+fn uid(pod: &str) -> String {
+    format!("Kubernetes//Pod/test/{pod}")
+}
+
+fn workload(cluster: &Cluster, pod: &str, node: &str, policies: &[&str]) -> Address {
+    let p = cluster.pod(pod);
+    Address {
+        r#type: Some(address::Type::Workload(Workload {
+            uid: uid(pod),
+            name: pod.into(),
+            namespace: "test".into(),
+            addresses: vec![p.ip.octets().to_vec(), p.ip6.octets().to_vec()],
+            tunnel_protocol: TunnelProtocol::Hbone as i32,
+            trust_domain: "cluster.local".into(),
+            service_account: pod.into(),
+            node: node.into(),
+            authorization_policies: policies.iter().map(|s| (*s).to_owned()).collect(),
+            ..Workload::default()
+        })),
+    }
+}
+
+/// ALLOW only `principal` to the workloads that list `test/only-a1`.
+fn only_a1() -> Authorization {
+    Authorization {
+        name: "only-a1".into(),
+        namespace: "test".into(),
+        scope: security::Scope::WorkloadSelector as i32,
+        action: security::Action::Allow as i32,
+        rules: vec![security::Rule {
+            clauses: vec![security::Clause {
+                matches: vec![security::Match {
+                    principals: vec![security::StringMatch {
+                        match_type: Some(MatchType::Exact("cluster.local/ns/test/sa/a1".into())),
+                    }],
+                    ..security::Match::default()
+                }],
+            }],
+        }],
+        ..Authorization::default()
+    }
+}
+
+impl Setup {
+    fn new() -> Self {
+        let mut cluster = Cluster::new();
+        let a = cluster.add_node("node-a");
+        let b = cluster.add_node("node-b");
+        let control = cluster.add_node("istiod");
+        cluster.add_pod(a, "a1");
+        cluster.add_pod(a, "a2");
+        cluster.add_pod(b, "b1");
+        let istiod = FakeIstiod::start(
+            cluster.node(control).netns(),
+            cluster.node(control).ip,
+            &cluster.dir().join("istiod"),
+        );
+        for (pod, node, policies) in [
+            ("a1", "node-a", &[][..]),
+            ("a2", "node-a", &[][..]),
+            ("b1", "node-b", &["test/only-a1"][..]),
+        ] {
+            istiod
+                .xds
+                .set_address(&uid(pod), &workload(&cluster, pod, node, policies));
+        }
+        istiod.xds.set_policy(&only_a1());
+        Self {
+            cluster,
+            istiod,
+            a,
+            b,
+        }
+    }
+
+    /// ztunnel of `node` run from istiod (xDS and CA), no config file.
+    fn ztunnel(&self, node: usize) -> Ztunnel {
+        let n = self.cluster.node(node);
+        let mut args = self.istiod.ztunnel_args();
+        args.extend(self.istiod.xds_args());
+        args.extend([
+            "--instance-ip".into(),
+            n.ip.to_string(),
+            "--pod-name".into(),
+            format!("ztunnel-{}", n.name),
+        ]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Ztunnel::start(&self.cluster, node, &args)
+    }
+
+    /// Enrols `pod` into `z` the way istio-cni does: its own uid (not
+    /// istiod's), with name, namespace and service account.
+    fn enrol(&self, z: &Ztunnel, pod: &str) {
+        let netns = self.cluster.pod(pod).netns_path();
+        let out = Command::new(sibling_bin("ztunnel"))
+            .arg("enrol")
+            .arg("--socket")
+            .arg(&z.socket)
+            .args(["add", "--uid", &format!("k8s-uid-{pod}"), "--netns"])
+            .arg(netns)
+            .args([
+                "--name",
+                pod,
+                "--namespace",
+                "test",
+                "--service-account",
+                pod,
+            ])
+            .output()
+            .expect("run ztunnel enrol");
+        assert!(out.status.success(), "enrol {pod}: {out:?}");
+    }
+
+    fn flow(&self, from: &str) -> Finished {
+        flows::client(
+            self.cluster.pod(from),
+            SocketAddr::from((self.cluster.pod("b1").ip, 8080)),
+            &ClientRun {
+                bytes: 5_000,
+                limit: Duration::from_secs(20),
+                ..ClientRun::default()
+            },
+        )
+    }
+
+    /// Polls `cond` every 100 ms for at most `limit`.
+    fn wait_until(&self, what: &str, limit: Duration, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + limit;
+        while !cond() {
+            assert!(
+                Instant::now() < deadline,
+                "gave up after {limit:?} waiting until {what}; istiod saw {:#?}",
+                self.istiod.xds.requests()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The requests of `node`'s streams.
+    fn requests_from(&self, node: usize) -> Vec<XdsRequestSeen> {
+        let ip = format!("~{}~", self.cluster.node(node).ip);
+        self.istiod
+            .xds
+            .requests()
+            .into_iter()
+            .filter(|r| r.node_id.as_deref().is_some_and(|id| id.contains(&ip)))
+            .collect()
+    }
+}
+
+#[test]
+fn workloads_and_policies_from_istiod_route_and_authorize_and_pushes_apply() {
+    if !require_root("workloads_and_policies_from_istiod_route_and_authorize_and_pushes_apply") {
+        return;
+    }
+    let s = Setup::new();
+    let b1 = s.cluster.pod("b1");
+    let _server = flows::server(b1, SocketAddr::from((b1.ip, 8080)), "echo");
+    let za = s.ztunnel(s.a);
+    let zb = s.ztunnel(s.b);
+    // Ready only after istiod's first push of both types.
+    for z in [&za, &zb] {
+        let log = z.log();
+        let ready = log.find("ztunnel ready").expect("ready");
+        let pushes = log[..ready].matches("xDS push applied").count();
+        assert!(pushes >= 2, "ready before both types were pushed:\n{log}");
+    }
+    // The node as istiod knows it, and the credentials of the stream.
+    let first = s
+        .requests_from(s.a)
+        .into_iter()
+        .find(|r| r.node_id.is_some())
+        .expect("a first request from node-a");
+    let ip = s.cluster.node(s.a).ip;
+    assert_eq!(
+        first.node_id.as_deref(),
+        Some(
+            format!("ztunnel~{ip}~ztunnel-node-a.istio-system~istio-system.svc.cluster.local")
+                .as_str()
+        )
+    );
+    assert_eq!(
+        first.metadata.get("NODE_NAME").map(String::as_str),
+        Some("node-a")
+    );
+    assert_eq!(
+        first.metadata.get("CLUSTER_ID").map(String::as_str),
+        Some("test-cluster")
+    );
+    assert_eq!(first.metadata.get("INSTANCE_IPS"), Some(&ip.to_string()));
+    assert_eq!(first.cluster_id.as_deref(), Some("test-cluster"));
+    assert_eq!(
+        first.authorization.as_deref(),
+        Some(format!("Bearer {}", s.istiod.token).as_str())
+    );
+    for type_url in [ztunnel::xds::ADDRESS_TYPE, ztunnel::xds::AUTHORIZATION_TYPE] {
+        assert!(
+            s.requests_from(s.a)
+                .iter()
+                .any(|r| r.type_url == type_url && !r.nonce.is_empty() && r.error.is_none()),
+            "no ACK of {type_url}"
+        );
+    }
+
+    for pod in ["a1", "a2"] {
+        s.enrol(&za, pod);
+    }
+    s.enrol(&zb, "b1");
+
+    // a1 is allowed by the pushed policy, over HBONE with its identity.
+    flows::assert_ok(&s.flow("a1"));
+    zb.wait_for_log(
+        "src_identity=spiffe://cluster.local/ns/test/sa/a1",
+        Duration::from_secs(5),
+    );
+    // a2 is not: the policy selects b1 (matched by name to istiod's
+    // workload, though enrolled with another uid).
+    let denied = s.flow("a2");
+    assert!(!denied.status.success(), "a2 got through: {denied:?}");
+    zb.wait_for_log("no ALLOW policy matched", Duration::from_secs(5));
+
+    // istiod drops the policy: the push applies to the next connection.
+    s.istiod
+        .xds
+        .remove(ztunnel::xds::AUTHORIZATION_TYPE, "test/only-a1");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let done = s.flow("a2");
+        if done.status.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a2 still refused after the policy was removed: {done:?}\n{}",
+            zb.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_bad_resource_is_nacked_by_name_and_a_cut_stream_resumes_from_its_versions() {
+    if !require_root("a_bad_resource_is_nacked_by_name_and_a_cut_stream_resumes_from_its_versions")
+    {
+        return;
+    }
+    let s = Setup::new();
+    let b1 = s.cluster.pod("b1");
+    let _server = flows::server(b1, SocketAddr::from((b1.ip, 8080)), "echo");
+    let za = s.ztunnel(s.a);
+    let zb = s.ztunnel(s.b);
+    s.enrol(&za, "a1");
+    s.enrol(&zb, "b1");
+    flows::assert_ok(&s.flow("a1"));
+
+    // A workload with a 3-byte address, and bytes that are no protobuf.
+    let mut bad = workload(&s.cluster, "a2", "node-a", &[]);
+    if let Some(address::Type::Workload(w)) = &mut bad.r#type {
+        w.addresses = vec![vec![10, 0, 0]];
+    }
+    s.istiod.xds.set_address("bad-workload", &bad);
+    s.istiod
+        .xds
+        .set_address_bytes("garbage", vec![0xff, 0xff, 0xff]);
+    s.wait_until("node-a NACKs both by name", Duration::from_secs(10), || {
+        s.requests_from(s.a).iter().any(|r| {
+            r.error.as_deref().is_some_and(|e| {
+                e.contains("bad-workload") && e.contains("3 bytes") && e.contains("garbage")
+            })
+        })
+    });
+    za.wait_for_log("xDS resources refused (NACK)", Duration::from_secs(5));
+    // The good state keeps working.
+    flows::assert_ok(&s.flow("a1"));
+
+    // istiod cuts the stream: ztunnel comes back with what it holds, and
+    // keeps serving meanwhile.
+    let before = s.requests_from(s.a).len();
+    s.istiod.xds.kick();
+    s.wait_until(
+        "node-a reconnects with its resource versions",
+        Duration::from_secs(15),
+        || {
+            s.requests_from(s.a)[before..].iter().any(|r| {
+                r.nonce.is_empty()
+                    && r.type_url == ztunnel::xds::ADDRESS_TYPE
+                    && r.initial_versions.contains_key(&uid("b1"))
+                    && !r.initial_versions.contains_key("bad-workload")
+            })
+        },
+    );
+    za.wait_for_log("xDS stream closed by istiod", Duration::from_secs(5));
+    flows::assert_ok(&s.flow("a1"));
+}
