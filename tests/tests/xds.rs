@@ -18,9 +18,11 @@ use ztunnel::proto::istio::{
 use ztunnel_tests::{
     Cluster,
     ads::XdsRequestSeen,
+    cgroup::TestCgroup,
     flows::{self, ClientRun},
     istiod::FakeIstiod,
-    process::Finished,
+    probe_bin,
+    process::{Finished, PodProcess},
     require_root,
     ztunnel::{Ztunnel, sibling_bin},
 };
@@ -74,6 +76,67 @@ fn only_a1() -> Authorization {
         }],
         ..Authorization::default()
     }
+}
+
+/// DENY `principal` to every workload of namespace `test`.
+fn deny(name: &str, principal: &str) -> Authorization {
+    Authorization {
+        name: name.into(),
+        namespace: "test".into(),
+        scope: security::Scope::Namespace as i32,
+        action: security::Action::Deny as i32,
+        rules: vec![security::Rule {
+            clauses: vec![security::Clause {
+                matches: vec![security::Match {
+                    principals: vec![security::StringMatch {
+                        match_type: Some(MatchType::Exact(principal.into())),
+                    }],
+                    ..security::Match::default()
+                }],
+            }],
+        }],
+        ..Authorization::default()
+    }
+}
+
+/// A long-lived connection exchanging a little data every ~100 ms
+/// (`zt-probe beat`), once its first exchange went through.
+fn beat(from: &ztunnel_tests::Pod, dst: SocketAddr) -> PodProcess {
+    let mut cmd = from.command(&probe_bin());
+    cmd.args(["beat", "--connect", &dst.to_string(), "--seconds", "60"]);
+    let mut process = PodProcess::spawn(&format!("beat-{}", from.name), cmd);
+    let first = process.read_line(Duration::from_secs(15));
+    assert!(first.starts_with("CONNECTED"), "{first}");
+    let ok = process.read_line(Duration::from_secs(15));
+    assert!(ok.starts_with("OK 0 "), "no data flowed: {ok}");
+    process
+}
+
+/// The first line of `beat` that is not `OK ...` within `limit`.
+fn beat_event(beat: &mut PodProcess, limit: Duration) -> Option<String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        let line = beat.try_read_line(left)?;
+        if !line.starts_with("OK ") {
+            return Some(line);
+        }
+    }
+}
+
+fn config_dump(cluster: &Cluster, node: usize) -> serde_json::Value {
+    let cg = TestCgroup::create(&format!("{}/admin-{node}", cluster.prefix()));
+    let (status, body) = Ztunnel::http_get(
+        &cluster.node(node).netns().path(),
+        &cg.procs(),
+        "127.0.0.1:15000",
+        "/config_dump",
+    );
+    assert_eq!(status, 200, "GET /config_dump: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("config_dump: {e}: {body}"))
 }
 
 impl Setup {
@@ -237,6 +300,36 @@ fn workloads_and_policies_from_istiod_route_and_authorize_and_pushes_apply() {
         );
     }
 
+    // Certificates for node-a's workloads are asked for as istiod lists
+    // them, before any pod connects (or is even enrolled).
+    for sa in ["a1", "a2"] {
+        let san = format!("spiffe://cluster.local/ns/test/sa/{sa}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.istiod.granted(&san) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "no certificate asked for {san}: {:#?}",
+                s.istiod.requests()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    // config_dump shows what istiod sent, with versions.
+    let dump = config_dump(&s.cluster, s.a);
+    let xds = &dump["xds"];
+    assert_eq!(xds["connected"], true, "{xds}");
+    assert!(
+        xds["versions"][ztunnel::xds::ADDRESS_TYPE][uid("b1")].is_string(),
+        "{xds}"
+    );
+    assert_eq!(xds["acked"].as_array().map(Vec::len), Some(2), "{xds}");
+    assert!(
+        dump["workloads"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|w| w["uid"] == uid("b1"))),
+        "{dump}"
+    );
+
     for pod in ["a1", "a2"] {
         s.enrol(&za, pod);
     }
@@ -271,6 +364,21 @@ fn workloads_and_policies_from_istiod_route_and_authorize_and_pushes_apply() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+
+    // Tightening applies to what is open: a DENY pushed for a2 closes its
+    // open connection.
+    let b1_dst = SocketAddr::from((b1.ip, 8080));
+    let mut open = beat(s.cluster.pod("a2"), b1_dst);
+    s.istiod
+        .xds
+        .set_policy(&deny("no-a2", "cluster.local/ns/test/sa/a2"));
+    let event = beat_event(&mut open, Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("a2's open connection survived the DENY; log:\n{}", zb.log()));
+    assert!(event.starts_with("CLOSED"), "{event}");
+    zb.wait_for_log(
+        "open connection closed: the new policy denies it",
+        Duration::from_secs(5),
+    );
 }
 
 #[test]
@@ -305,11 +413,19 @@ fn a_bad_resource_is_nacked_by_name_and_a_cut_stream_resumes_from_its_versions()
         })
     });
     za.wait_for_log("xDS resources refused (NACK)", Duration::from_secs(5));
+    let nack = &config_dump(&s.cluster, s.a)["xds"]["lastNack"];
+    assert!(
+        nack["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("bad-workload")),
+        "{nack}"
+    );
     // The good state keeps working.
     flows::assert_ok(&s.flow("a1"));
 
     // istiod cuts the stream: ztunnel comes back with what it holds, and
     // keeps serving meanwhile.
+    let mut open = beat(s.cluster.pod("a1"), SocketAddr::from((b1.ip, 8080)));
     let before = s.requests_from(s.a).len();
     s.istiod.xds.kick();
     s.wait_until(
@@ -326,4 +442,10 @@ fn a_bad_resource_is_nacked_by_name_and_a_cut_stream_resumes_from_its_versions()
     );
     za.wait_for_log("xDS stream closed by istiod", Duration::from_secs(5));
     flows::assert_ok(&s.flow("a1"));
+    // The connection open across the cut kept flowing.
+    assert_eq!(
+        beat_event(&mut open, Duration::from_secs(2)),
+        None,
+        "the open connection broke when istiod's stream was cut"
+    );
 }

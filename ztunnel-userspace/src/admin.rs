@@ -4,14 +4,17 @@
 //!
 //! - `GET /config_dump` (admin): JSON with the workloads, services,
 //!   policies, certificates (identity and validity only; never keys),
-//!   enrolled pods, and the attached programs with their map entry counts.
+//!   enrolled pods, the attached programs with their map entry counts, and
+//!   with xDS the stream's state (resource versions held, types ACKed,
+//!   the last NACK).
 //! - `GET|POST /logging?level=FILTER` (admin): changes the log filter
 //!   (URL-decoded and checked first: `telemetry::log_filter`).
 //! - `GET /healthz` (admin): 200 while the process runs.
 //! - `GET /metrics` (metrics): Prometheus text.
 //! - `GET /healthz/ready` (readiness): 200 once the programs are attached,
 //!   the certificates of the enrolled pods are issued and the first config
-//!   is applied; 503 before that and while draining.
+//!   is applied (with xDS: istiod's first workloads and policies ACKed);
+//!   503 before that and while draining.
 
 use std::{
     convert::Infallible,
@@ -65,6 +68,8 @@ pub struct AdminState {
     /// The node agent connection, when ztunnel dials one: readiness waits
     /// for its snapshot and for its pending pods.
     pub node_agent: Option<Arc<crate::enrol::zds::node_agent::NodeAgentStatus>>,
+    /// The xDS stream, when ztunnel runs from istiod.
+    pub xds: Option<crate::xds::XdsStatusHandle>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -345,6 +350,11 @@ fn config_dump(state: &AdminState) -> String {
             "reusedStreams": shared.pool.reused(),
         },
         "activeConnections": state.metrics.active_connections(),
+        "xds": state.xds.as_ref().map(|x| {
+            x.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone()
+        }),
     });
     serde_json::to_string_pretty(&dump).unwrap_or_default()
 }

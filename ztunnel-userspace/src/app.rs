@@ -281,18 +281,6 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         timeouts: settings.timeouts,
         limits,
     };
-    let xds_synced = xds.map(|client| {
-        let (synced, watch) = tokio::sync::watch::channel(false);
-        let shared = shared.clone();
-        let publish = move |config| {
-            let closed = shared.publish_state(MeshState::new(config));
-            if closed > 0 {
-                tracing::info!(closed, "open connections closed by the new policy");
-            }
-        };
-        runtime.spawn(client.run(publish, synced));
-        watch
-    });
 
     let pins = if kernel {
         PinRoot::prepare(&settings.bpffs)?
@@ -346,6 +334,16 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         .map_err(Box::new)?,
     );
 
+    let xds_status = xds.as_ref().map(crate::xds::XdsClient::status);
+    let xds_synced = xds.map(|client| {
+        let (synced, watch) = tokio::sync::watch::channel(false);
+        runtime.spawn(client.run(
+            xds_publisher(Arc::clone(&registry), settings.node_name.clone()),
+            synced,
+        ));
+        watch
+    });
+
     // Dialled before readiness is served: readiness waits for its snapshot.
     let node_agent = match &settings.node_agent_socket {
         Some(path) => {
@@ -368,6 +366,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
             log_control,
             cgroup: cgroup_dir.clone(),
             node_agent: node_agent.clone(),
+            xds: xds_status,
         }),
     )?;
     if let Some(config) = &initial {
@@ -523,6 +522,47 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     }
     runtime.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// What the xDS client does with each new state: publishes it (closing
+/// open connections it no longer allows), and keeps certificates for the
+/// identities of this node's meshed workloads as istiod lists them, not
+/// only once a pod connects; an identity istiod no longer lists for this
+/// node is dropped unless an enrolled pod still has it.
+fn xds_publisher(
+    registry: Arc<PodRegistry>,
+    node: String,
+) -> impl Fn(LocalConfig) + Send + Sync + 'static {
+    let listed: std::sync::Mutex<HashSet<Identity>> = std::sync::Mutex::default();
+    move |config| {
+        let state = MeshState::new(config);
+        let shared = registry.shared();
+        let wanted: HashSet<Identity> = state
+            .config()
+            .workloads
+            .iter()
+            .filter(|w| w.node == node && w.protocol == crate::state::WorkloadProtocol::Hbone)
+            .map(|w| state.identity(w))
+            .collect();
+        for identity in &wanted {
+            shared.certs.prefetch(identity);
+        }
+        {
+            let mut listed = listed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for gone in listed.difference(&wanted) {
+                if !registry.identity_in_use(gone) && shared.certs.forget(gone) {
+                    tracing::info!(identity = %gone, "certificate dropped: istiod lists no workload of this node with it");
+                }
+            }
+            *listed = wanted;
+        }
+        let closed = shared.publish_state(state);
+        if closed > 0 {
+            tracing::info!(closed, "open connections closed by the new policy");
+        }
+    }
 }
 
 /// Enrols this node's pods from `config` and removes config pods that are

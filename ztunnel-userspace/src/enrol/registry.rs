@@ -797,6 +797,13 @@ impl PodRegistry {
         Ok(removed)
     }
 
+    /// Whether an enrolled pod has `identity`.
+    pub fn identity_in_use(&self, identity: &Identity) -> bool {
+        self.pods
+            .lock()
+            .is_ok_and(|pods| pods.values().any(|p| &p.identity == identity))
+    }
+
     /// The enrolled pods.
     pub fn list(&self) -> Vec<PodSummary> {
         self.pods.lock().map_or_else(

@@ -15,7 +15,8 @@
 //!
 //! - A rule matches when every part it has matches: `from` (any of its
 //!   sources) and `to` (any of its operations). A source matches when all
-//!   of its fields do: `principals`/`notPrincipals` (SPIFFE ids, `*` and
+//!   of its fields do: `principals`/`notPrincipals` (SPIFFE ids, or in
+//!   Istio's form `td/ns/NS/sa/SA` without `spiffe://`; `*` and
 //!   prefix/suffix `*` allowed), `namespaces`/`notNamespaces`,
 //!   `ipBlocks`/`notIpBlocks`. An operation matches on `ports`/`notPorts`.
 //!   A rule with neither part matches everything.
@@ -202,7 +203,19 @@ fn applies(namespace: &str, selector: &BTreeMap<String, String>, target: &Target
             .all(|(k, v)| target.labels.get(k) == Some(v))
 }
 
+/// Whether `id` (a SPIFFE id) matches a principal `pattern`, written as a
+/// SPIFFE id or in Istio's form without the scheme.
 fn principal_matches(pattern: &str, id: &str) -> bool {
+    let id = if pattern.starts_with("spiffe://") || pattern.starts_with('*') {
+        id
+    } else {
+        id.strip_prefix("spiffe://").unwrap_or(id)
+    };
+    glob_matches(pattern, id)
+}
+
+/// `*`, `prefix*`, `*suffix` or an exact value.
+fn glob_matches(pattern: &str, id: &str) -> bool {
     if pattern == "*" {
         true
     } else if let Some(prefix) = pattern.strip_suffix('*') {
@@ -253,8 +266,8 @@ impl Source {
         // prefix/suffix/presence matches arrive that way from xDS).
         (self.principals.is_empty() || any(&self.principals, id.as_deref(), principal_matches))
             && !any(&self.not_principals, id.as_deref(), principal_matches)
-            && (self.namespaces.is_empty() || any(&self.namespaces, ns, principal_matches))
-            && !any(&self.not_namespaces, ns, principal_matches)
+            && (self.namespaces.is_empty() || any(&self.namespaces, ns, glob_matches))
+            && !any(&self.not_namespaces, ns, glob_matches)
             && (self.ip_blocks.is_empty() || in_cidrs(&self.ip_blocks, peer.ip))
             && !in_cidrs(&self.not_ip_blocks, peer.ip)
     }
@@ -399,6 +412,15 @@ mod tests {
         assert!(!check(&not_ports, None, "10.0.0.7", 8080));
         let wildcard = p("{from: [{principals: [\"spiffe://cluster.local/ns/demo/*\"]}]}");
         assert!(check(&wildcard, Some(A), "10.0.0.1", 80));
+        // Istio's form, without the scheme, exact and as a prefix.
+        let istio = p(&format!(
+            "{{from: [{{principals: [\"{}\"]}}]}}",
+            A.trim_start_matches("spiffe://")
+        ));
+        assert!(check(&istio, Some(A), "10.0.0.1", 80));
+        assert!(!check(&istio, Some(B), "10.0.0.1", 80));
+        let istio_prefix = p("{from: [{principals: [\"cluster.local/ns/demo/*\"]}]}");
+        assert!(check(&istio_prefix, Some(A), "10.0.0.1", 80));
     }
 
     #[test]

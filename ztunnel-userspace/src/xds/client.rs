@@ -21,6 +21,7 @@
 use std::{
     collections::{BTreeMap, HashSet},
     path::PathBuf,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -79,11 +80,47 @@ pub struct XdsSettings {
     pub trust_domain: String,
 }
 
+/// What `config_dump` shows of the stream.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct XdsStatus {
+    /// istiod's address.
+    pub address: String,
+    /// Whether a stream is open now.
+    pub connected: bool,
+    /// Streams opened again after one ended.
+    pub reconnects: u64,
+    /// Per type: resource name -> version held.
+    pub versions: BTreeMap<&'static str, BTreeMap<String, String>>,
+    /// Types ACKed at least once.
+    pub acked: Vec<&'static str>,
+    /// The last NACK sent.
+    pub last_nack: Option<Nack>,
+}
+
+/// A NACK as sent.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Nack {
+    /// The type of the refused push.
+    pub type_url: String,
+    /// Its nonce.
+    pub nonce: String,
+    /// The `error_detail` message (every refused resource and why).
+    pub detail: String,
+    /// When, seconds since the Unix epoch.
+    pub at_unix_s: u64,
+}
+
+/// Shared view of [`XdsStatus`].
+pub type XdsStatusHandle = Arc<Mutex<XdsStatus>>;
+
 /// The client.
 #[derive(Debug)]
 pub struct XdsClient {
     settings: XdsSettings,
     channel: IstiodChannel,
+    status: XdsStatusHandle,
 }
 
 /// What has been accepted so far, kept across streams.
@@ -114,7 +151,27 @@ impl XdsClient {
                 message,
             },
         })?;
-        Ok(Self { settings, channel })
+        let status = Arc::new(Mutex::new(XdsStatus {
+            address: settings.address.clone(),
+            ..XdsStatus::default()
+        }));
+        Ok(Self {
+            settings,
+            channel,
+            status,
+        })
+    }
+
+    /// The stream's status, kept current while [`Self::run`] runs.
+    pub fn status(&self) -> XdsStatusHandle {
+        Arc::clone(&self.status)
+    }
+
+    fn update_status(&self, f: impl FnOnce(&mut XdsStatus)) {
+        f(&mut self
+            .status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner));
     }
 
     /// The name istiod's certificate is checked against.
@@ -140,6 +197,10 @@ impl XdsClient {
             if delivered {
                 backoff = INITIAL_BACKOFF;
             }
+            self.update_status(|s| {
+                s.connected = false;
+                s.reconnects += 1;
+            });
             match outcome {
                 Ok(()) => {
                     tracing::info!(xds = %self.settings.address, retry_in = ?backoff, "xDS stream closed by istiod; serving the last state until it is back");
@@ -217,6 +278,7 @@ impl XdsClient {
                 .map_err(|_| err(format!("not opened within {OPEN_TIMEOUT:?}")))?
                 .map_err(|s| err(istiod::describe(&s)))?;
         tracing::info!(xds = %self.settings.address, "xDS stream open");
+        self.update_status(|s| s.connected = true);
         let mut inbound = response.into_inner();
         let mut first = true;
         loop {
@@ -235,6 +297,21 @@ impl XdsClient {
             first = false;
             *delivered = true;
             let (reply, changed) = store.apply(&response);
+            self.update_status(|s| {
+                s.versions.clone_from(&store.versions);
+                s.acked = store.acked.iter().copied().collect();
+                s.acked.sort_unstable();
+                if let Some(error) = &reply.error_detail {
+                    s.last_nack = Some(Nack {
+                        type_url: reply.type_url.clone(),
+                        nonce: reply.response_nonce.clone(),
+                        detail: error.message.clone(),
+                        at_unix_s: std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs()),
+                    });
+                }
+            });
             if changed {
                 publish(convert::to_config(
                     &self.settings.trust_domain,

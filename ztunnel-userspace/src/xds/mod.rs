@@ -10,7 +10,7 @@ pub mod convert;
 
 use std::{collections::BTreeMap, path::PathBuf};
 
-pub use client::{XdsClient, XdsSettings};
+pub use client::{XdsClient, XdsSettings, XdsStatus, XdsStatusHandle};
 
 /// Type URL of workloads and services.
 pub const ADDRESS_TYPE: &str = "type.googleapis.com/istio.workload.Address";
