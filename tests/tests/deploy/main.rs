@@ -527,6 +527,11 @@ fn deploy_chart_refuses_what_it_cannot_do() {
         refused("capture: istio-cni\ncaSecret: mesh-ca").contains("istiod's CA"),
         "a CA key on the nodes of an Istio mesh"
     );
+    assert!(
+        refused("capture: istio-cni\nlocalConfig:\n  workloads: []")
+            .contains("the mesh comes from istiod"),
+        "a local config beside istiod's xDS"
+    );
     // A misspelt value name, which helm would silently ignore.
     assert!(refused("captur: istio-cni").contains("captur is not a value"));
 }
