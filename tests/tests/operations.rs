@@ -252,6 +252,14 @@ fn metrics_admin_readiness_and_drain() {
         "destination_workload=\"web\"",
         "destination_principal=\"spiffe://cluster.local/ns/test/sa/web\"",
         "connection_security_policy=\"mutual_tls\"",
+        // Istio's defaults where the config says nothing more.
+        "source_canonical_service=\"a\"",
+        "source_canonical_revision=\"latest\"",
+        "source_app=\"a\"",
+        "source_version=\"latest\"",
+        "source_cluster=\"unknown\"",
+        "destination_canonical_service=\"web\"",
+        "request_protocol=\"tcp\"",
     ];
     // The server side records a connection when its copy ends, a moment
     // after the client is done: wait for all three (bounded), then check.

@@ -85,7 +85,12 @@ fn the_destination_reports_the_service_a_vip_connection_was_for() {
         metric(
             &text_b,
             opened,
-            &["reporter=\"destination\"", "destination_service=\"api\""]
+            &[
+                "reporter=\"destination\"",
+                "destination_service=\"api.test.svc.cluster.local\"",
+                "destination_service_name=\"api\"",
+                "destination_service_namespace=\"test\"",
+            ]
         ),
         Some(1),
         "{text_b}"
@@ -103,7 +108,7 @@ fn the_destination_reports_the_service_a_vip_connection_was_for() {
         "the connection to no service stays unknown: {text_b}"
     );
     assert_eq!(
-        metric(&text_b, opened, &["destination_service=\"web\""]),
+        metric(&text_b, opened, &["destination_service_name=\"web\""]),
         None,
         "{text_b}"
     );
@@ -112,7 +117,7 @@ fn the_destination_reports_the_service_a_vip_connection_was_for() {
         metric(
             &text_a,
             opened,
-            &["reporter=\"source\"", "destination_service=\"api\""]
+            &["reporter=\"source\"", "destination_service_name=\"api\""]
         ),
         Some(1),
         "{text_a}"

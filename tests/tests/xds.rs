@@ -52,6 +52,10 @@ fn workload(cluster: &Cluster, pod: &str, node: &str, policies: &[&str]) -> Addr
             service_account: pod.into(),
             node: node.into(),
             authorization_policies: policies.iter().map(|s| (*s).to_owned()).collect(),
+            workload_name: format!("{pod}-deploy"),
+            canonical_name: format!("{pod}-app"),
+            canonical_revision: "v1".into(),
+            cluster_id: "test-cluster".into(),
             ..Workload::default()
         })),
     }
@@ -127,15 +131,16 @@ fn beat_event(beat: &mut PodProcess, limit: Duration) -> Option<String> {
     }
 }
 
-fn config_dump(cluster: &Cluster, node: usize) -> serde_json::Value {
+fn admin_get(cluster: &Cluster, node: usize, addr: &str, path: &str) -> String {
     let cg = TestCgroup::create(&format!("{}/admin-{node}", cluster.prefix()));
-    let (status, body) = Ztunnel::http_get(
-        &cluster.node(node).netns().path(),
-        &cg.procs(),
-        "127.0.0.1:15000",
-        "/config_dump",
-    );
-    assert_eq!(status, 200, "GET /config_dump: {body}");
+    let (status, body) =
+        Ztunnel::http_get(&cluster.node(node).netns().path(), &cg.procs(), addr, path);
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
+}
+
+fn config_dump(cluster: &Cluster, node: usize) -> serde_json::Value {
+    let body = admin_get(cluster, node, "127.0.0.1:15000", "/config_dump");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("config_dump: {e}: {body}"))
 }
 
@@ -340,6 +345,30 @@ fn workloads_and_policies_from_istiod_route_and_authorize_and_pushes_apply() {
     zb.wait_for_log(
         "src_identity=spiffe://cluster.local/ns/test/sa/a1",
         Duration::from_secs(5),
+    );
+    // Istio's labels, filled from the xDS workload fields.
+    let labels = [
+        "reporter=\"destination\"",
+        "source_workload=\"a1-deploy\"",
+        "source_canonical_service=\"a1-app\"",
+        "source_canonical_revision=\"v1\"",
+        "source_app=\"a1-app\"",
+        "source_version=\"v1\"",
+        "source_cluster=\"test-cluster\"",
+        "destination_workload=\"b1-deploy\"",
+        "destination_canonical_service=\"b1-app\"",
+        "destination_cluster=\"test-cluster\"",
+        "destination_principal=\"spiffe://cluster.local/ns/test/sa/b1\"",
+        "request_protocol=\"tcp\"",
+        "connection_security_policy=\"mutual_tls\"",
+    ];
+    let metrics = admin_get(&s.cluster, s.b, "127.0.0.1:15020", "/metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("istio_tcp_connections_opened_total{")
+                && labels.iter().all(|want| l.contains(want))),
+        "no istio_tcp_connections_opened_total with {labels:?}:\n{metrics}"
     );
     // a2 is not: the policy selects b1 (matched by name to istiod's
     // workload, though enrolled with another uid).

@@ -374,7 +374,7 @@ async fn stream(
             target.port(),
             forwarded_host(&request).as_deref(),
         )
-        .map(|s| s.name.clone());
+        .map(crate::telemetry::connection::ServiceRef::from);
     let mut src = state.endpoint(peer);
     src.identity = Some(peer_identity.to_string());
     let mut dst = state.endpoint(target);
@@ -432,7 +432,7 @@ async fn stream(
         "hbone",
         src,
         dst,
-        service.as_deref(),
+        service.as_ref(),
     );
     // tcp_to_h2 counts (app -> stream, stream -> app); for the record the
     // client is the remote peer: sent = from the client, received = to it.

@@ -109,7 +109,7 @@ async fn plaintext(
     let state = ctx.shared.state.current();
     let service = state
         .inbound_service(&ctx.pod, dst.port(), None)
-        .map(|s| s.name.clone());
+        .map(crate::telemetry::connection::ServiceRef::from);
     let src = state.endpoint(client);
     let mut dst_end = state.endpoint(dst);
     dst_end.identity = Some(ctx.identity.to_string());
@@ -148,7 +148,7 @@ async fn plaintext(
         "plaintext",
         src,
         dst_end,
-        service.as_deref(),
+        service.as_ref(),
     );
     relay(stream, upstream, record, Some(registration)).await
 }

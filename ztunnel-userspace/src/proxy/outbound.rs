@@ -152,6 +152,9 @@ fn source(
             .or_else(|| ctx.pod.ips.first().copied())
             .map(|ip| SocketAddr::new(ip, port)),
         identity: Some(ctx.pod.identity.to_string()),
+        meta: workload
+            .map(crate::state::Workload::meta)
+            .unwrap_or_default(),
     }
 }
 
@@ -164,7 +167,7 @@ pub async fn open(
 ) -> Result<(Upstream, ConnectionRecord), ProxyError> {
     let state = ctx.shared.state.current();
     let vip_service = state.service_by_vip(dst.ip());
-    let service = vip_service.map(|s| s.name.clone());
+    let service = vip_service.map(crate::telemetry::connection::ServiceRef::from);
     let service_host = vip_service.map(crate::state::service::Service::hostname);
     let route = state.route(dst);
     let metrics = &ctx.shared.metrics;
@@ -179,7 +182,7 @@ pub async fn open(
                 "passthrough",
                 src,
                 state.endpoint(target),
-                service.as_deref(),
+                service.as_ref(),
             );
             Ok((Upstream::Tcp(upstream), record))
         }
@@ -248,7 +251,7 @@ pub async fn open(
                     "local",
                     src,
                     dst_end,
-                    service.as_deref(),
+                    service.as_ref(),
                 );
                 return Ok((
                     Upstream::Local {
@@ -292,7 +295,7 @@ pub async fn open(
                 "hbone",
                 src,
                 dst_end,
-                service.as_deref(),
+                service.as_ref(),
             );
             Ok((Upstream::Tunnel(tunnel), record))
         }

@@ -271,6 +271,7 @@ impl MeshState {
                 addr: Some(addr),
                 identity: (w.protocol == WorkloadProtocol::Hbone)
                     .then(|| self.identity(w).to_string()),
+                meta: w.meta(),
             },
         )
     }

@@ -75,6 +75,19 @@ pub struct Workload {
     /// carries one per workload; multi-cluster meshes differ).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trust_domain: Option<String>,
+    /// The workload (Deployment, ...) the pod belongs to; metrics'
+    /// `*_workload` (default: `name`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload_name: Option<String>,
+    /// Canonical service (default: the `app` label, else the workload).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canonical_name: Option<String>,
+    /// Canonical revision (default: the `version` label, else `latest`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canonical_revision: Option<String>,
+    /// Cluster id (metrics' `*_cluster`; default: unknown).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_id: Option<String>,
 }
 
 fn default_sa() -> String {
@@ -82,6 +95,28 @@ fn default_sa() -> String {
 }
 
 impl Workload {
+    /// The labels metrics show for this workload, with Istio's defaults.
+    pub fn meta(&self) -> crate::telemetry::WorkloadMeta {
+        let workload_name = self
+            .workload_name
+            .clone()
+            .unwrap_or_else(|| self.name.clone());
+        crate::telemetry::WorkloadMeta {
+            canonical_service: self
+                .canonical_name
+                .clone()
+                .or_else(|| self.labels.get("app").cloned())
+                .unwrap_or_else(|| workload_name.clone()),
+            canonical_revision: self
+                .canonical_revision
+                .clone()
+                .or_else(|| self.labels.get("version").cloned())
+                .unwrap_or_else(|| "latest".to_owned()),
+            cluster: self.cluster_id.clone().unwrap_or_default(),
+            workload_name,
+        }
+    }
+
     /// The SPIFFE identity of the workload: in its own trust domain if it
     /// has one, else in the mesh's `trust_domain`.
     pub fn identity(&self, trust_domain: &str) -> String {

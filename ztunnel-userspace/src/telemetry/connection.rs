@@ -2,6 +2,8 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Instant};
 
+use prometheus_client::metrics::counter::Counter;
+
 use super::metrics::{ActiveGuard, Metrics, TcpLabels};
 
 /// One side of a connection as the access log and metrics show it.
@@ -15,6 +17,42 @@ pub struct Endpoint {
     pub addr: Option<SocketAddr>,
     /// SPIFFE id, if known and verified.
     pub identity: Option<String>,
+    /// What the metrics' workload labels show (empty outside the mesh).
+    pub meta: WorkloadMeta,
+}
+
+/// A workload's metric labels ([`crate::state::Workload::meta`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkloadMeta {
+    /// `*_workload`.
+    pub workload_name: String,
+    /// `*_canonical_service` and `*_app`.
+    pub canonical_service: String,
+    /// `*_canonical_revision` and `*_version`.
+    pub canonical_revision: String,
+    /// `*_cluster`.
+    pub cluster: String,
+}
+
+/// The service a connection was addressed to, for the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceRef {
+    /// `name.namespace.svc.cluster.local`.
+    pub hostname: String,
+    /// Name.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+}
+
+impl From<&crate::state::Service> for ServiceRef {
+    fn from(s: &crate::state::Service) -> Self {
+        Self {
+            hostname: s.hostname(),
+            name: s.name.clone(),
+            namespace: s.namespace.clone(),
+        }
+    }
 }
 
 impl Endpoint {
@@ -31,8 +69,11 @@ impl Endpoint {
 /// [`ConnectionRecord::close`] counts bytes and closure and logs it.
 #[derive(Debug)]
 pub struct ConnectionRecord {
-    metrics: Arc<Metrics>,
-    labels: TcpLabels,
+    /// This connection's series, looked up once at open: a connection
+    /// keeps three counter handles, not its 23 labels.
+    sent: Counter,
+    received: Counter,
+    closed: Counter,
     direction: &'static str,
     path: &'static str,
     src: Endpoint,
@@ -47,10 +88,19 @@ impl ConnectionRecord {
         metrics: &Arc<Metrics>,
         direction: &'static str,
         path: &'static str,
-        src: Endpoint,
-        dst: Endpoint,
-        service: Option<&str>,
+        mut src: Endpoint,
+        mut dst: Endpoint,
+        service: Option<&ServiceRef>,
     ) -> Self {
+        let unknown = Endpoint::or_unknown;
+        let workload = |e: &Endpoint| {
+            if e.meta.workload_name.is_empty() {
+                unknown(&e.workload)
+            } else {
+                e.meta.workload_name.clone()
+            }
+        };
+        let service_field = |f: fn(&ServiceRef) -> &str| unknown(service.map_or("", f));
         let labels = TcpLabels {
             reporter: if direction == "outbound" {
                 "source"
@@ -58,25 +108,42 @@ impl ConnectionRecord {
                 "destination"
             }
             .into(),
-            source_workload: Endpoint::or_unknown(&src.workload),
-            source_workload_namespace: Endpoint::or_unknown(&src.namespace),
+            source_workload: workload(&src),
+            source_canonical_service: unknown(&src.meta.canonical_service),
+            source_canonical_revision: unknown(&src.meta.canonical_revision),
+            source_workload_namespace: unknown(&src.namespace),
             source_principal: src.identity.clone().unwrap_or_else(|| "unknown".into()),
-            destination_workload: Endpoint::or_unknown(&dst.workload),
-            destination_workload_namespace: Endpoint::or_unknown(&dst.namespace),
+            source_app: unknown(&src.meta.canonical_service),
+            source_version: unknown(&src.meta.canonical_revision),
+            source_cluster: unknown(&src.meta.cluster),
+            destination_service: service_field(|s| &s.hostname),
+            destination_service_namespace: service_field(|s| &s.namespace),
+            destination_service_name: service_field(|s| &s.name),
+            destination_workload: workload(&dst),
+            destination_canonical_service: unknown(&dst.meta.canonical_service),
+            destination_canonical_revision: unknown(&dst.meta.canonical_revision),
+            destination_workload_namespace: unknown(&dst.namespace),
             destination_principal: dst.identity.clone().unwrap_or_else(|| "unknown".into()),
-            destination_service: service.unwrap_or("unknown").to_owned(),
+            destination_app: unknown(&dst.meta.canonical_service),
+            destination_version: unknown(&dst.meta.canonical_revision),
+            destination_cluster: unknown(&dst.meta.cluster),
+            request_protocol: "tcp".into(),
+            response_flags: "-".into(),
             connection_security_policy: if matches!(path, "hbone" | "local") {
                 "mutual_tls"
             } else {
-                "none"
+                "unknown"
             }
             .into(),
-            response_flags: "-".into(),
         };
         metrics.opened.get_or_create(&labels).inc();
+        // The access log shows neither the workload labels nor more.
+        src.meta = WorkloadMeta::default();
+        dst.meta = WorkloadMeta::default();
         Self {
-            metrics: Arc::clone(metrics),
-            labels,
+            sent: metrics.sent.get_or_create(&labels).clone(),
+            received: metrics.received.get_or_create(&labels).clone(),
+            closed: metrics.closed.get_or_create(&labels).clone(),
             direction,
             path,
             src,
@@ -89,12 +156,9 @@ impl ConnectionRecord {
     /// Counts bytes and the closure, and writes the access log line.
     /// `sent` is client -> server, `received` server -> client.
     pub fn close(self, sent: u64, received: u64, result: &Result<(), String>) {
-        self.metrics.sent.get_or_create(&self.labels).inc_by(sent);
-        self.metrics
-            .received
-            .get_or_create(&self.labels)
-            .inc_by(received);
-        self.metrics.closed.get_or_create(&self.labels).inc();
+        self.sent.inc_by(sent);
+        self.received.inc_by(received);
+        self.closed.inc();
         let (outcome, reason) = match result {
             Ok(()) => ("ok", String::new()),
             Err(e) => ("error", e.clone()),

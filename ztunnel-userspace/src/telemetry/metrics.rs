@@ -8,29 +8,57 @@ use prometheus_client::{
     registry::Registry,
 };
 
-/// Istio's standard TCP labels.
+/// Istio's standard TCP labels, the set Istio's ztunnel reports (in its
+/// order), so that Istio's dashboards and Kiali read them as they are.
+/// What is not known is `unknown`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TcpLabels {
     /// `source` (the client's ztunnel) or `destination` (the server's).
     pub reporter: String,
-    /// Source workload name.
+    /// Source workload (xDS `workload_name`, else the workload's name).
     pub source_workload: String,
+    /// Source canonical service.
+    pub source_canonical_service: String,
+    /// Source canonical revision.
+    pub source_canonical_revision: String,
     /// Source workload namespace.
     pub source_workload_namespace: String,
     /// Source SPIFFE id.
     pub source_principal: String,
-    /// Destination workload name.
+    /// Source app (Istio: the canonical service).
+    pub source_app: String,
+    /// Source version (Istio: the canonical revision).
+    pub source_version: String,
+    /// Source cluster id.
+    pub source_cluster: String,
+    /// Destination service hostname (`name.namespace.svc.cluster.local`).
+    pub destination_service: String,
+    /// Destination service namespace.
+    pub destination_service_namespace: String,
+    /// Destination service name.
+    pub destination_service_name: String,
+    /// Destination workload.
     pub destination_workload: String,
+    /// Destination canonical service.
+    pub destination_canonical_service: String,
+    /// Destination canonical revision.
+    pub destination_canonical_revision: String,
     /// Destination workload namespace.
     pub destination_workload_namespace: String,
     /// Destination SPIFFE id.
     pub destination_principal: String,
-    /// Destination service name.
-    pub destination_service: String,
-    /// `mutual_tls` or `none`.
-    pub connection_security_policy: String,
+    /// Destination app.
+    pub destination_app: String,
+    /// Destination version.
+    pub destination_version: String,
+    /// Destination cluster id.
+    pub destination_cluster: String,
+    /// `tcp`.
+    pub request_protocol: String,
     /// `-`, or why the connection failed.
     pub response_flags: String,
+    /// `mutual_tls`, or `unknown` for plain TCP (Istio's values).
+    pub connection_security_policy: String,
 }
 
 /// Labels of policy denials.

@@ -15,5 +15,5 @@ pub mod log_filter;
 pub mod metrics;
 pub mod throttle;
 
-pub use connection::{ConnectionRecord, Endpoint};
+pub use connection::{ConnectionRecord, Endpoint, ServiceRef, WorkloadMeta};
 pub use metrics::Metrics;

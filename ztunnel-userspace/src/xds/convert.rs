@@ -123,8 +123,16 @@ fn workload(w: &xds::Workload, selected_by: &[&str]) -> Result<Workload, String>
         protocol,
         capture: crate::state::CaptureOptOut::default(),
         labels,
-        trust_domain: (!w.trust_domain.is_empty()).then(|| w.trust_domain.clone()),
+        trust_domain: non_empty(&w.trust_domain),
+        workload_name: non_empty(&w.workload_name),
+        canonical_name: non_empty(&w.canonical_name),
+        canonical_revision: non_empty(&w.canonical_revision),
+        cluster_id: non_empty(&w.cluster_id),
     })
+}
+
+fn non_empty(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_owned())
 }
 
 fn service(s: &xds::Service) -> Result<Service, String> {
