@@ -628,6 +628,12 @@ fn replay_pod_records(registry: &PodRegistry, dir: &Path) {
         let outcome = PodNetns::open(&record.netns)
             .map_err(|e| e.to_string())
             .and_then(|netns| {
+                registry.name_pod(
+                    &uid,
+                    &record.namespace,
+                    &record.name,
+                    &record.service_account,
+                );
                 let identity = registry
                     .identity_for(&uid, &record.namespace, &record.service_account)
                     .ok_or_else(|| "no identity (namespace or service account empty)".to_owned())?;

@@ -859,6 +859,25 @@ impl PodRegistry {
         Ok(())
     }
 
+    /// Records the names an enroller gave pod `uid`, so that it is matched
+    /// to a workload of the control plane that names it differently
+    /// ([`crate::state::PodName`]). Called before [`Self::identity_for`].
+    pub fn name_pod(&self, uid: &str, namespace: &str, name: &str, service_account: &str) {
+        self.shared
+            .state
+            .pods()
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(
+                uid.to_owned(),
+                crate::state::PodName {
+                    namespace: namespace.to_owned(),
+                    name: name.to_owned(),
+                    service_account: service_account.to_owned(),
+                },
+            );
+    }
+
     /// The identity of pod `uid`: its workload's from the mesh state, or
     /// built from the namespace and service account the enroller sent.
     /// `None` when neither gives one: ztunnel never guesses an identity

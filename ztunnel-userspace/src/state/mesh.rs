@@ -470,6 +470,40 @@ services:
     }
 
     #[test]
+    fn enrolled_pods_are_matched_by_name_on_this_node_only() {
+        let name = |n: &str, sa: &str| PodName {
+            namespace: "demo".into(),
+            name: n.into(),
+            service_account: sa.into(),
+        };
+        let handle = StateHandle::for_node(state(""), "n2");
+        handle
+            .pods()
+            .write()
+            .expect("pods")
+            .insert("uid-of-b".into(), name("b", "sa-b"));
+        // a runs on n1: this node (n2) must not take it for one of its pods.
+        handle
+            .pods()
+            .write()
+            .expect("pods")
+            .insert("uid-of-a".into(), name("a", "sa-a"));
+        // Same name, another service account: not the same workload.
+        handle
+            .pods()
+            .write()
+            .expect("pods")
+            .insert("uid-of-c".into(), name("c", "sa-x"));
+        let s = handle.current();
+        assert_eq!(s.workload("uid-of-b").map(|w| w.uid.as_str()), Some("b"));
+        assert!(s.workload("uid-of-a").is_none());
+        assert!(s.workload("uid-of-c").is_none());
+        // A new state keeps matching (the directory is the handle's).
+        handle.replace(state(""));
+        assert!(handle.current().workload("uid-of-b").is_some());
+    }
+
+    #[test]
     fn service_vips_round_robin_over_endpoints_with_the_target_port() {
         let s = state("");
         let vip: SocketAddr = "10.96.0.1:80".parse().expect("addr");

@@ -221,19 +221,7 @@ impl<'a> Session<'a> {
         // Before the identity is looked up: with istiod's workloads the pod
         // is found by these names, not by its uid.
         self.registry
-            .shared()
-            .state
-            .pods()
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(
-                add.uid.clone(),
-                crate::state::PodName {
-                    namespace: info.namespace.clone(),
-                    name: info.name.clone(),
-                    service_account: info.service_account.clone(),
-                },
-            );
+            .name_pod(&add.uid, &info.namespace, &info.name, &info.service_account);
         let identity = self
             .registry
             .identity_for(&add.uid, &info.namespace, &info.service_account)
