@@ -293,3 +293,253 @@ impl AggregatedDiscoveryService for Ads {
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
 }
+
+/// What istiod would send for a local-mode config, so that the same YAML
+/// fixtures drive both modes: every workload (named as istiod names pods,
+/// `Kubernetes//Pod/NS/NAME`, not by the config's uid), every service, and
+/// the policies. Label selectors become `WORKLOAD_SELECTOR` policies listed
+/// in the selected workloads' `authorization_policies`, the way istiod
+/// resolves them; a STRICT peer authentication becomes the DENY-without-
+/// principal policy istiod sends for it (PERMISSIVE sends nothing, so a
+/// PERMISSIVE exception under a STRICT namespace is not expressed).
+pub fn from_local(
+    config: &ztunnel::state::local::LocalConfig,
+) -> (Vec<(String, Address)>, Vec<Authorization>) {
+    use ztunnel::{
+        proto::istio::{security, workload as xds},
+        state::policy::{Action, MtlsMode, ROOT_NAMESPACE},
+    };
+    let selects =
+        |namespace: &str, selector: &BTreeMap<String, String>, w: &ztunnel::state::Workload| {
+            !selector.is_empty()
+                && namespace == w.namespace
+                && selector.iter().all(|(k, v)| w.labels.get(k) == Some(v))
+        };
+    let strict: Vec<_> = config
+        .peer_authentications
+        .iter()
+        .filter(|p| p.mode == MtlsMode::Strict)
+        .enumerate()
+        .map(|(i, p)| (format!("converted-strict-{i}"), p))
+        .collect();
+    let mut addresses = Vec::new();
+    for w in &config.workloads {
+        let mut selected: Vec<String> = config
+            .policies
+            .iter()
+            .filter(|p| selects(&p.namespace, &p.selector, w))
+            .map(|p| format!("{}/{}", p.namespace, p.name))
+            .collect();
+        selected.extend(
+            strict
+                .iter()
+                .filter(|(_, p)| selects(&p.namespace, &p.selector, w))
+                .map(|(name, p)| format!("{}/{name}", p.namespace)),
+        );
+        let services = config
+            .services
+            .iter()
+            .filter(|s| s.endpoints.contains(&w.uid))
+            .map(|s| {
+                let ports = s
+                    .ports
+                    .iter()
+                    .map(|p| xds::Port {
+                        service_port: u32::from(p.port),
+                        target_port: u32::from(p.target_port.unwrap_or(p.port)),
+                        app_protocol: 0,
+                    })
+                    .collect();
+                (
+                    format!("{}/{}", s.namespace, s.hostname()),
+                    xds::PortList { ports },
+                )
+            })
+            .collect();
+        let uid = format!("Kubernetes//Pod/{}/{}", w.namespace, w.name);
+        let workload = xds::Workload {
+            uid: uid.clone(),
+            name: w.name.clone(),
+            namespace: w.namespace.clone(),
+            addresses: w.ips.iter().map(ip_bytes).collect(),
+            tunnel_protocol: if w.protocol == ztunnel::state::WorkloadProtocol::Hbone {
+                xds::TunnelProtocol::Hbone as i32
+            } else {
+                xds::TunnelProtocol::None as i32
+            },
+            trust_domain: config.trust_domain.clone(),
+            service_account: w.service_account.clone(),
+            node: w.node.clone(),
+            canonical_name: w.labels.get("app").cloned().unwrap_or_default(),
+            services,
+            authorization_policies: selected,
+            ..xds::Workload::default()
+        };
+        addresses.push((
+            uid,
+            Address {
+                r#type: Some(xds::address::Type::Workload(workload)),
+            },
+        ));
+    }
+    for s in &config.services {
+        let service = xds::Service {
+            name: s.name.clone(),
+            namespace: s.namespace.clone(),
+            hostname: s.hostname(),
+            addresses: s
+                .vips
+                .iter()
+                .map(|ip| xds::NetworkAddress {
+                    address: ip_bytes(ip),
+                    ..xds::NetworkAddress::default()
+                })
+                .collect(),
+            ports: s
+                .ports
+                .iter()
+                .map(|p| xds::Port {
+                    service_port: u32::from(p.port),
+                    target_port: u32::from(p.target_port.unwrap_or(p.port)),
+                    app_protocol: 0,
+                })
+                .collect(),
+            ..xds::Service::default()
+        };
+        addresses.push((
+            format!("{}/{}", s.namespace, s.hostname()),
+            Address {
+                r#type: Some(xds::address::Type::Service(service)),
+            },
+        ));
+    }
+    let scope = |namespace: &str, selector: &BTreeMap<String, String>| {
+        if !selector.is_empty() {
+            security::Scope::WorkloadSelector
+        } else if namespace == ROOT_NAMESPACE {
+            security::Scope::Global
+        } else {
+            security::Scope::Namespace
+        }
+    };
+    let mut policies: Vec<Authorization> = config
+        .policies
+        .iter()
+        .map(|p| Authorization {
+            name: p.name.clone(),
+            namespace: p.namespace.clone(),
+            scope: scope(&p.namespace, &p.selector) as i32,
+            action: match p.action {
+                Action::Allow => security::Action::Allow,
+                Action::Deny => security::Action::Deny,
+            } as i32,
+            rules: p.rules.iter().map(rule).collect(),
+            ..Authorization::default()
+        })
+        .collect();
+    policies.extend(strict.iter().map(|(name, p)| Authorization {
+        name: name.clone(),
+        namespace: p.namespace.clone(),
+        scope: scope(&p.namespace, &p.selector) as i32,
+        action: security::Action::Deny as i32,
+        rules: vec![security::Rule {
+            clauses: vec![security::Clause {
+                matches: vec![security::Match {
+                    not_principals: vec![presence()],
+                    ..security::Match::default()
+                }],
+            }],
+        }],
+        ..Authorization::default()
+    }));
+    (addresses, policies)
+}
+
+fn ip_bytes(ip: &std::net::IpAddr) -> Vec<u8> {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.octets().to_vec(),
+        std::net::IpAddr::V6(v6) => v6.octets().to_vec(),
+    }
+}
+
+fn presence() -> ztunnel::proto::istio::security::StringMatch {
+    use ztunnel::proto::istio::security::{StringMatch, string_match::MatchType};
+    StringMatch {
+        match_type: Some(MatchType::Presence(())),
+    }
+}
+
+/// One of our patterns (`*`, `prefix*`, `*suffix`, exact) as istiod's
+/// string match, principals without `spiffe://`.
+fn pattern(p: &str) -> ztunnel::proto::istio::security::StringMatch {
+    use ztunnel::proto::istio::security::{StringMatch, string_match::MatchType};
+    let bare = |s: &str| s.strip_prefix("spiffe://").unwrap_or(s).to_owned();
+    let match_type = if p == "*" {
+        return presence();
+    } else if let Some(prefix) = p.strip_suffix('*') {
+        MatchType::Prefix(bare(prefix))
+    } else if let Some(suffix) = p.strip_prefix('*') {
+        MatchType::Suffix(suffix.to_owned())
+    } else {
+        MatchType::Exact(bare(p))
+    };
+    StringMatch {
+        match_type: Some(match_type),
+    }
+}
+
+fn rule(r: &ztunnel::state::policy::Rule) -> ztunnel::proto::istio::security::Rule {
+    use ztunnel::proto::istio::security::{self, Clause, Match};
+    let block = |c: &ztunnel::capture::maps::Cidr| security::Address {
+        address: ip_bytes(&c.addr),
+        length: u32::from(c.prefix),
+    };
+    let mut clauses = Vec::new();
+    if !r.from.is_empty() {
+        clauses.push(Clause {
+            matches: r
+                .from
+                .iter()
+                .map(|s| Match {
+                    principals: s.principals.iter().map(|p| pattern(p)).collect(),
+                    not_principals: s.not_principals.iter().map(|p| pattern(p)).collect(),
+                    namespaces: s.namespaces.iter().map(|p| pattern(p)).collect(),
+                    not_namespaces: s.not_namespaces.iter().map(|p| pattern(p)).collect(),
+                    source_ips: s.ip_blocks.iter().map(block).collect(),
+                    not_source_ips: s.not_ip_blocks.iter().map(block).collect(),
+                    ..Match::default()
+                })
+                .collect(),
+        });
+    }
+    if !r.to.is_empty() {
+        clauses.push(Clause {
+            matches: r
+                .to
+                .iter()
+                .map(|o| Match {
+                    destination_ports: o.ports.iter().map(|p| u32::from(*p)).collect(),
+                    not_destination_ports: o.not_ports.iter().map(|p| u32::from(*p)).collect(),
+                    ..Match::default()
+                })
+                .collect(),
+        });
+    }
+    clauses.extend(r.clauses.iter().map(|c| {
+        Clause {
+            matches: c
+                .any
+                .iter()
+                .flat_map(|inner| {
+                    let converted = rule(inner).clauses;
+                    assert!(
+                        converted.len() <= 1,
+                        "a clause alternative with both from and to has no single xDS match: {inner:?}"
+                    );
+                    converted.into_iter().flat_map(|c| c.matches)
+                })
+                .collect(),
+        }
+    }));
+    security::Rule { clauses }
+}

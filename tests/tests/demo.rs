@@ -15,9 +15,23 @@ fn the_demo_passes_and_reports_observed_facts() {
     if !require_root("the_demo_passes_and_reports_observed_facts") {
         return;
     }
+    demo_passes("local");
+}
+
+/// The same flows with the mesh served by the fake istiod (delta ADS and
+/// its CA) from the same YAML, and the pods enrolled over the socket.
+#[test]
+fn the_demo_passes_with_the_mesh_from_istiod() {
+    if !require_root("the_demo_passes_with_the_mesh_from_istiod") {
+        return;
+    }
+    demo_passes("xds");
+}
+
+fn demo_passes(control_plane: &str) {
     let demo = ztunnel_tests::probe_bin().with_file_name("zt-demo");
     let mut cmd = Command::new(&demo);
-    cmd.arg("--json");
+    cmd.args(["--json", "--control-plane", control_plane]);
     let done = PodProcess::spawn("zt-demo", cmd).wait(Duration::from_mins(3));
     assert!(
         done.status.success(),
@@ -29,6 +43,7 @@ fn the_demo_passes_and_reports_observed_facts() {
     let v: serde_json::Value = serde_json::from_str(json_line).expect("last line is JSON");
     assert_eq!(v["ok"], true);
     assert_eq!(v["capture"], "ebpf");
+    assert_eq!(v["control_plane"], control_plane);
     assert_eq!(
         v["ztunnels_running"],
         json!({"node-a": true, "node-b": true})

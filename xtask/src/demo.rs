@@ -19,6 +19,10 @@ pub struct DemoArgs {
     /// Remove a cluster left by `--keep`.
     #[arg(long)]
     clean: bool,
+    /// Where the mesh comes from: `local` (the YAML file) or `xds` (the
+    /// same YAML served by a fake istiod over delta ADS, with its CA).
+    #[arg(long, default_value = "local", value_parser = ["local", "xds"])]
+    control_plane: String,
 }
 
 /// Builds and runs the demo.
@@ -39,6 +43,7 @@ pub fn run(workspace: &Path, args: &DemoArgs) -> Result<()> {
             cmd.arg(flag);
         }
     }
+    cmd.args(["--control-plane", &args.control_plane]);
     let status = cmd
         .status()
         .with_context(|| format!("could not run {}", demo.display()))?;

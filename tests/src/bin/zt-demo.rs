@@ -29,6 +29,7 @@ use ztunnel_common::{Counter, INBOUND_HBONE_PORT, SOCKS5_PORT};
 use ztunnel_tests::{
     Cluster, Pod,
     flows::{self, ClientRun, WorkloadEntry},
+    istiod::FakeIstiod,
     pattern,
     process::PodProcess,
     sniff::Sniffer,
@@ -73,6 +74,17 @@ struct Cli {
     /// Remove a cluster left by `--keep`, then exit.
     #[arg(long)]
     clean: bool,
+    /// Where the mesh comes from: `local` (the YAML file) or `xds` (the
+    /// same YAML served by a fake istiod over delta ADS, with its CA; pods
+    /// enrolled over the socket).
+    #[arg(long, value_enum, default_value_t = ControlPlane::Local)]
+    control_plane: ControlPlane,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ControlPlane {
+    Local,
+    Xds,
 }
 
 struct Flow {
@@ -198,6 +210,27 @@ fn main() {
     }
     let ok = run(&cli);
     std::process::exit(i32::from(!ok));
+}
+
+/// Enrols `pod` into `z` over the socket, as istio-cni would.
+fn enrol(z: &Ztunnel, cluster: &Cluster, pod: &str, namespace: &str) {
+    let out = std::process::Command::new(ztunnel_tests::ztunnel::sibling_bin("ztunnel"))
+        .arg("enrol")
+        .arg("--socket")
+        .arg(&z.socket)
+        .args(["add", "--uid", pod, "--netns"])
+        .arg(cluster.pod(pod).netns_path())
+        .args([
+            "--name",
+            pod,
+            "--namespace",
+            namespace,
+            "--service-account",
+            pod,
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("ztunnel enrol: {e}"));
+    assert!(out.status.success(), "enrol {pod}: {out:?}");
 }
 
 fn clean() {
@@ -438,8 +471,44 @@ fn run(cli: &Cli) -> bool {
             )
         })
         .collect();
-    let za = Ztunnel::start(&cluster, na, &["--config", &config]);
-    let zb = Ztunnel::start(&cluster, nb, &["--config", &config]);
+    // With xDS the fake istiod runs on a third node of the fabric.
+    let istiod = (cli.control_plane == ControlPlane::Xds).then(|| {
+        let node = cluster.add_node("istiod");
+        let istiod = FakeIstiod::start(
+            cluster.node(node).netns(),
+            cluster.node(node).ip,
+            &cluster.dir().join("istiod"),
+        );
+        let mesh =
+            ztunnel::state::local::load(Path::new(&config)).unwrap_or_else(|e| panic!("{e}"));
+        let (addresses, policies) = ztunnel_tests::ads::from_local(&mesh);
+        for (name, address) in &addresses {
+            istiod.xds.set_address(name, address);
+        }
+        for policy in &policies {
+            istiod.xds.set_policy(policy);
+        }
+        istiod
+    });
+    let (za, zb) = match &istiod {
+        None => (
+            Ztunnel::start(&cluster, na, &["--config", &config]),
+            Ztunnel::start(&cluster, nb, &["--config", &config]),
+        ),
+        Some(istiod) => {
+            let mut args = istiod.ztunnel_args();
+            args.extend(istiod.xds_args());
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let za = Ztunnel::start(&cluster, na, &args);
+            let zb = Ztunnel::start(&cluster, nb, &args);
+            // istio-cni's part: each meshed pod enrolled with its own uid.
+            for w in entries().iter().filter(|w| w.enrolled) {
+                let z = if w.node == NODES[0] { &za } else { &zb };
+                enrol(z, &cluster, &w.pod, w.namespace);
+            }
+            (za, zb)
+        }
+    };
     za.wait_for_log("pod enrolled pod=app-a2", Duration::from_secs(15));
     zb.wait_for_log("pod enrolled pod=app-b2", Duration::from_secs(15));
     let zs = [&za, &zb];
@@ -536,6 +605,7 @@ fn run(cli: &Cli) -> bool {
             "ok": all_ok,
             "kernel": kernel,
             "capture": "ebpf",
+            "control_plane": if istiod.is_some() { "xds" } else { "local" },
             "ztunnels_running": {NODES[0]: running[0], NODES[1]: running[1]},
             "flows": rows,
         });
