@@ -341,15 +341,7 @@ pub fn from_local(
             .iter()
             .filter(|s| s.endpoints.contains(&w.uid))
             .map(|s| {
-                let ports = s
-                    .ports
-                    .iter()
-                    .map(|p| xds::Port {
-                        service_port: u32::from(p.port),
-                        target_port: u32::from(p.target_port.unwrap_or(p.port)),
-                        app_protocol: 0,
-                    })
-                    .collect();
+                let ports = s.ports.iter().copied().map(port).collect();
                 (
                     format!("{}/{}", s.namespace, s.hostname()),
                     xds::PortList { ports },
@@ -395,15 +387,7 @@ pub fn from_local(
                     ..xds::NetworkAddress::default()
                 })
                 .collect(),
-            ports: s
-                .ports
-                .iter()
-                .map(|p| xds::Port {
-                    service_port: u32::from(p.port),
-                    target_port: u32::from(p.target_port.unwrap_or(p.port)),
-                    app_protocol: 0,
-                })
-                .collect(),
+            ports: s.ports.iter().copied().map(port).collect(),
             ..xds::Service::default()
         };
         addresses.push((
@@ -453,6 +437,14 @@ pub fn from_local(
         ..Authorization::default()
     }));
     (addresses, policies)
+}
+
+fn port(p: ztunnel::state::service::ServicePort) -> ztunnel::proto::istio::workload::Port {
+    ztunnel::proto::istio::workload::Port {
+        service_port: u32::from(p.port),
+        target_port: u32::from(p.target_port.unwrap_or(p.port)),
+        app_protocol: 0,
+    }
 }
 
 fn ip_bytes(ip: &std::net::IpAddr) -> Vec<u8> {

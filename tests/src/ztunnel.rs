@@ -228,6 +228,23 @@ impl Ztunnel {
             .unwrap_or(0)
     }
 
+    /// GET `path` from the ztunnel of `node` at `addr` (its admin,
+    /// metrics or readiness port), from a process in a fresh cgroup of the
+    /// cluster; panics unless the answer is 200.
+    pub fn node_get(cluster: &Cluster, node: usize, addr: &str, path: &str) -> String {
+        let cg = TestCgroup::create(&format!("{}/admin-{node}", cluster.prefix()));
+        let (status, body) =
+            Self::http_get(&cluster.node(node).netns().path(), &cg.procs(), addr, path);
+        assert_eq!(status, 200, "GET {path} on node {node}: {body}");
+        body
+    }
+
+    /// `/config_dump` of the ztunnel of `node`, parsed.
+    pub fn config_dump_of(cluster: &Cluster, node: usize) -> serde_json::Value {
+        let body = Self::node_get(cluster, node, "127.0.0.1:15000", "/config_dump");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("config_dump: {e}: {body}"))
+    }
+
     /// HTTP GET from inside `netns` (e.g. the node's, for ztunnel's admin
     /// ports); returns (status, body).
     pub fn http_get(netns: &Path, cgroup_procs: &Path, addr: &str, path: &str) -> (u16, String) {

@@ -96,18 +96,6 @@ impl Setup {
     }
 }
 
-fn config_dump(cluster: &Cluster, node: usize) -> serde_json::Value {
-    let cg = TestCgroup::create(&format!("{}/admin-{node}", cluster.prefix()));
-    let (status, body) = Ztunnel::http_get(
-        &cluster.node(node).netns().path(),
-        &cg.procs(),
-        "127.0.0.1:15000",
-        "/config_dump",
-    );
-    assert_eq!(status, 200, "GET /config_dump: {body}");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("config_dump: {e}: {body}"))
-}
-
 #[test]
 fn workload_certificates_come_from_the_istio_ca_and_no_ca_key_is_on_the_node() {
     if !require_root("workload_certificates_come_from_the_istio_ca_and_no_ca_key_is_on_the_node") {
@@ -164,7 +152,7 @@ fn workload_certificates_come_from_the_istio_ca_and_no_ca_key_is_on_the_node() {
         assert_eq!(r.validity, expected, "{r:?}");
         assert!(r.granted, "{r:?}");
     }
-    let dump = config_dump(&s.cluster, s.a);
+    let dump = Ztunnel::config_dump_of(&s.cluster, s.a);
     let certs = dump["certificates"].as_array().expect("certificates");
     let a1 = certs
         .iter()

@@ -18,7 +18,6 @@ use ztunnel::proto::istio::{
 use ztunnel_tests::{
     Cluster,
     ads::XdsRequestSeen,
-    cgroup::TestCgroup,
     flows::{self, ClientRun},
     istiod::FakeIstiod,
     probe_bin,
@@ -129,19 +128,6 @@ fn beat_event(beat: &mut PodProcess, limit: Duration) -> Option<String> {
             return Some(line);
         }
     }
-}
-
-fn admin_get(cluster: &Cluster, node: usize, addr: &str, path: &str) -> String {
-    let cg = TestCgroup::create(&format!("{}/admin-{node}", cluster.prefix()));
-    let (status, body) =
-        Ztunnel::http_get(&cluster.node(node).netns().path(), &cg.procs(), addr, path);
-    assert_eq!(status, 200, "GET {path}: {body}");
-    body
-}
-
-fn config_dump(cluster: &Cluster, node: usize) -> serde_json::Value {
-    let body = admin_get(cluster, node, "127.0.0.1:15000", "/config_dump");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("config_dump: {e}: {body}"))
 }
 
 impl Setup {
@@ -320,7 +306,7 @@ fn workloads_and_policies_from_istiod_route_and_authorize_and_pushes_apply() {
         }
     }
     // config_dump shows what istiod sent, with versions.
-    let dump = config_dump(&s.cluster, s.a);
+    let dump = Ztunnel::config_dump_of(&s.cluster, s.a);
     let xds = &dump["xds"];
     assert_eq!(xds["connected"], true, "{xds}");
     assert!(
@@ -362,7 +348,7 @@ fn workloads_and_policies_from_istiod_route_and_authorize_and_pushes_apply() {
         "request_protocol=\"tcp\"",
         "connection_security_policy=\"mutual_tls\"",
     ];
-    let metrics = admin_get(&s.cluster, s.b, "127.0.0.1:15020", "/metrics");
+    let metrics = Ztunnel::node_get(&s.cluster, s.b, "127.0.0.1:15020", "/metrics");
     assert!(
         metrics
             .lines()
@@ -442,7 +428,7 @@ fn a_bad_resource_is_nacked_by_name_and_a_cut_stream_resumes_from_its_versions()
         })
     });
     za.wait_for_log("xDS resources refused (NACK)", Duration::from_secs(5));
-    let nack = &config_dump(&s.cluster, s.a)["xds"]["lastNack"];
+    let nack = &Ztunnel::config_dump_of(&s.cluster, s.a)["xds"]["lastNack"];
     assert!(
         nack["detail"]
             .as_str()
