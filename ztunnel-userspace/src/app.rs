@@ -260,7 +260,14 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     };
     let mut base = initial.clone().unwrap_or_default();
     base.trust_domain.clone_from(&trust_domain);
-    let state = StateHandle::for_node(MeshState::new(base), &settings.node_name);
+    // Run from istiod, ztunnel refuses every connection until istiod's
+    // first push (an empty state would pass meshed traffic in clear).
+    let initial_state = if settings.xds.is_some() {
+        MeshState::awaiting_control_plane(base)
+    } else {
+        MeshState::new(base)
+    };
+    let state = StateHandle::for_node(initial_state, &settings.node_name);
     let metrics = crate::telemetry::Metrics::new();
     let limits = crate::limits::NodeLimits::new(settings.limits, Arc::clone(&metrics));
     let shared = Shared {

@@ -78,7 +78,16 @@ pub struct MeshState {
     /// This node's workloads by name (see [`PodName`]).
     by_pod_name: HashMap<PodName, usize>,
     pods: PodDirectory,
+    /// The state of a ztunnel run from istiod before istiod's first push:
+    /// it knows no workload and no policy, so it refuses every connection
+    /// rather than guess (an empty state would send meshed traffic in
+    /// clear as passthrough and admit any inbound).
+    awaiting_control_plane: bool,
 }
+
+/// Why a connection is refused before istiod's first push.
+pub const AWAITING_CONTROL_PLANE: &str =
+    "no mesh state from istiod yet: refused until its first push (fail closed)";
 
 impl MeshState {
     /// Builds the indexes.
@@ -110,6 +119,16 @@ impl MeshState {
             round_robin,
             by_pod_name: HashMap::new(),
             pods: PodDirectory::default(),
+            awaiting_control_plane: false,
+        }
+    }
+
+    /// The state before istiod's first push: every connection refused
+    /// ([`AWAITING_CONTROL_PLANE`]).
+    pub fn awaiting_control_plane(config: LocalConfig) -> Self {
+        Self {
+            awaiting_control_plane: true,
+            ..Self::new(config)
         }
     }
 
@@ -209,6 +228,11 @@ impl MeshState {
     /// that have an address of the destination's family; every listed
     /// endpoint is considered healthy (local mode has no health checks).
     pub fn route(&self, dst: SocketAddr) -> Route {
+        if self.awaiting_control_plane {
+            return Route::Deny {
+                reason: AWAITING_CONTROL_PLANE,
+            };
+        }
         if let Some(&si) = self.by_vip.get(&dst.ip()) {
             let service = &self.config.services[si];
             let Some(target_port) = service.target_port(dst.port()) else {
@@ -287,6 +311,12 @@ impl MeshState {
         peer: &super::policy::Peer<'_>,
         port: u16,
     ) -> Result<(), (String, String)> {
+        if self.awaiting_control_plane {
+            return Err((
+                "awaiting_control_plane".into(),
+                AWAITING_CONTROL_PLANE.into(),
+            ));
+        }
         let empty = std::collections::BTreeMap::new();
         let (namespace, labels) = self
             .workload(uid)
@@ -467,6 +497,45 @@ services:
         );
         assert_eq!(name(s.inbound_service("b", 9000, None)), None);
         assert_eq!(name(s.inbound_service("c", 80, None)), Some("other"));
+    }
+
+    #[test]
+    fn before_istiods_first_push_every_connection_is_refused() {
+        let s = MeshState::awaiting_control_plane(
+            parse(MESH, std::path::Path::new("t")).expect("valid"),
+        );
+        // Even a destination the config would route (a meshed workload) and
+        // one it would pass through.
+        for dst in ["10.0.0.2:9000", "192.0.2.1:80"] {
+            assert_eq!(
+                s.route(dst.parse().expect("addr")),
+                Route::Deny {
+                    reason: AWAITING_CONTROL_PLANE
+                }
+            );
+        }
+        let peer = super::super::policy::Peer {
+            identity: None,
+            ip: "10.0.0.1".parse().expect("ip"),
+        };
+        let refused = s
+            .authorize_inbound(
+                "b",
+                &Identity::new("cluster.local", "demo", "sa-b"),
+                &peer,
+                80,
+            )
+            .expect_err("refused");
+        assert_eq!(refused.0, "awaiting_control_plane");
+        // The first push replaces it with a state that routes.
+        let handle = StateHandle::new(s);
+        handle.replace(state(""));
+        assert!(matches!(
+            handle
+                .current()
+                .route("10.0.0.2:9000".parse().expect("addr")),
+            Route::Hbone { .. }
+        ));
     }
 
     #[test]
