@@ -253,6 +253,7 @@ fn policy(i: usize, p: &FuzzPolicy) -> Policy {
                         not_ports: not_ports.iter().map(|p| p.get()).collect(),
                     })
                     .collect(),
+                clauses: Vec::new(),
             })
             .collect(),
     }
@@ -348,6 +349,11 @@ fuzz_target!(|input: Input| {
         protocol: WorkloadProtocol::Hbone,
         capture: CaptureOptOut::default(),
         labels: target_labels.clone(),
+        trust_domain: None,
+        workload_name: None,
+        canonical_name: None,
+        canonical_revision: None,
+        cluster_id: None,
     };
     let config = LocalConfig {
         workloads: vec![workload],
