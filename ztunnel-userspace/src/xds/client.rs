@@ -321,8 +321,11 @@ impl XdsClient {
             if store.acked.contains(ADDRESS_TYPE) && store.acked.contains(AUTHORIZATION_TYPE) {
                 synced.send_if_modified(|s| !std::mem::replace(s, true));
             }
-            tx.send(reply)
+            // Bounded: an istiod that stops reading our ACKs (its HTTP/2
+            // window full) while still answering PINGs would block here.
+            tokio::time::timeout(OPEN_TIMEOUT, tx.send(reply))
                 .await
+                .map_err(|_| err(format!("istiod read no ACK within {OPEN_TIMEOUT:?}")))?
                 .map_err(|_| err("the request stream closed".into()))?;
         }
     }
