@@ -75,21 +75,25 @@ impl Default for XdsState {
 
 impl XdsState {
     fn put(&self, type_url: &str, name: &str, value: Vec<u8>) {
-        let version = {
+        self.put_all(type_url, vec![(name.to_owned(), value)]);
+    }
+
+    /// Serves every `(name, body)` of `type_url` in one change, so that one
+    /// push carries them all.
+    fn put_all(&self, type_url: &str, items: Vec<(String, Vec<u8>)>) {
+        {
+            let mut resources = self.resources.lock().expect("resources");
+            let of_type = resources.entry(type_url.to_owned()).or_default();
             let mut n = self.next_version.lock().expect("version");
-            *n += 1;
-            format!("v{n}")
-        };
-        let body = prost_types::Any {
-            type_url: type_url.to_owned(),
-            value,
-        };
-        self.resources
-            .lock()
-            .expect("resources")
-            .entry(type_url.to_owned())
-            .or_default()
-            .insert(name.to_owned(), (version, body));
+            for (name, value) in items {
+                *n += 1;
+                let body = prost_types::Any {
+                    type_url: type_url.to_owned(),
+                    value,
+                };
+                of_type.insert(name, (format!("v{n}"), body));
+            }
+        }
         self.changed.send_modify(|g| *g += 1);
     }
 
@@ -98,9 +102,9 @@ impl XdsState {
         self.put(ADDRESS_TYPE, name, address.encode_to_vec());
     }
 
-    /// Serves raw bytes as an `Address` named `name` (to send garbage).
-    pub fn set_address_bytes(&self, name: &str, bytes: Vec<u8>) {
-        self.put(ADDRESS_TYPE, name, bytes);
+    /// Serves raw `Address` bodies (to send garbage), all in one push.
+    pub fn set_address_bodies(&self, items: Vec<(String, Vec<u8>)>) {
+        self.put_all(ADDRESS_TYPE, items);
     }
 
     /// Serves `policy` as `namespace/name`.

@@ -306,6 +306,17 @@ impl FakeIstiod {
         }
     }
 
+    /// Starts on a new node `istiod` of `cluster` (its scratch folder
+    /// holds the root and token).
+    pub fn on_new_node(cluster: &mut crate::Cluster) -> Self {
+        let node = cluster.add_node("istiod");
+        Self::start(
+            cluster.node(node).netns(),
+            cluster.node(node).ip,
+            &cluster.dir().join("istiod"),
+        )
+    }
+
     /// ztunnel's flags for this CA (cluster id `test-cluster`).
     pub fn ztunnel_args(&self) -> Vec<String> {
         vec![

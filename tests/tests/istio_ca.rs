@@ -31,14 +31,9 @@ impl Setup {
         let mut cluster = Cluster::new();
         let a = cluster.add_node("node-a");
         let b = cluster.add_node("node-b");
-        let control = cluster.add_node("istiod");
         cluster.add_pod(a, "a1");
         cluster.add_pod(b, "b1");
-        let istiod = FakeIstiod::start(
-            cluster.node(control).netns(),
-            cluster.node(control).ip,
-            &cluster.dir().join("istiod"),
-        );
+        let istiod = FakeIstiod::on_new_node(&mut cluster);
         let config = flows::write_config(
             &cluster,
             "mesh.yaml",

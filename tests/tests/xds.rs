@@ -135,15 +135,10 @@ impl Setup {
         let mut cluster = Cluster::new();
         let a = cluster.add_node("node-a");
         let b = cluster.add_node("node-b");
-        let control = cluster.add_node("istiod");
         cluster.add_pod(a, "a1");
         cluster.add_pod(a, "a2");
         cluster.add_pod(b, "b1");
-        let istiod = FakeIstiod::start(
-            cluster.node(control).netns(),
-            cluster.node(control).ip,
-            &cluster.dir().join("istiod"),
-        );
+        let istiod = FakeIstiod::on_new_node(&mut cluster);
         for (pod, node, policies) in [
             ("a1", "node-a", &[][..]),
             ("a2", "node-a", &[][..]),
@@ -416,10 +411,11 @@ fn a_bad_resource_is_nacked_by_name_and_a_cut_stream_resumes_from_its_versions()
     if let Some(address::Type::Workload(w)) = &mut bad.r#type {
         w.addresses = vec![vec![10, 0, 0]];
     }
-    s.istiod.xds.set_address("bad-workload", &bad);
-    s.istiod
-        .xds
-        .set_address_bytes("garbage", vec![0xff, 0xff, 0xff]);
+    // Both in one push: one NACK must name both.
+    s.istiod.xds.set_address_bodies(vec![
+        ("bad-workload".into(), prost::Message::encode_to_vec(&bad)),
+        ("garbage".into(), vec![0xff, 0xff, 0xff]),
+    ]);
     s.wait_until("node-a NACKs both by name", Duration::from_secs(10), || {
         s.requests_from(s.a).iter().any(|r| {
             r.error.as_deref().is_some_and(|e| {

@@ -473,12 +473,7 @@ fn run(cli: &Cli) -> bool {
         .collect();
     // With xDS the fake istiod runs on a third node of the fabric.
     let istiod = (cli.control_plane == ControlPlane::Xds).then(|| {
-        let node = cluster.add_node("istiod");
-        let istiod = FakeIstiod::start(
-            cluster.node(node).netns(),
-            cluster.node(node).ip,
-            &cluster.dir().join("istiod"),
-        );
+        let istiod = FakeIstiod::on_new_node(&mut cluster);
         let mesh =
             ztunnel::state::local::load(Path::new(&config)).unwrap_or_else(|e| panic!("{e}"));
         let (addresses, policies) = ztunnel_tests::ads::from_local(&mesh);
