@@ -5,8 +5,10 @@
 //! kernel's `ORIG_DST` map (keyed by the pod's netns cookie and the client's
 //! address as `accept()` reports it), then routed with the mesh state:
 //! a meshed workload (or a service endpoint that is one) goes over HBONE to
-//! its pod's port 15008, anything else as plain TCP from inside the pod, and
-//! a destination the outbound policy refuses is closed.
+//! its pod's port 15008, a workload or service with a waypoint over HBONE
+//! to the waypoint (`:authority` = the address dialled), anything else as
+//! plain TCP from inside the pod, and a destination the outbound policy
+//! refuses (or whose waypoint is unknown) is closed.
 
 use std::{
     net::SocketAddr,
@@ -26,7 +28,7 @@ use crate::{
     capture::maps::OrigDstTable,
     hbone::{
         copy,
-        pool::{PoolKey, Tunnel, hbone_addr},
+        pool::{PoolKey, Tunnel},
     },
     state::{MeshState, Route, policy::Peer},
     telemetry::{self, ConnectionRecord, Endpoint},
@@ -169,7 +171,7 @@ pub async fn open(
     let vip_service = state.service_by_vip(dst.ip());
     let service = vip_service.map(crate::telemetry::connection::ServiceRef::from);
     let service_host = vip_service.map(crate::state::service::Service::hostname);
-    let route = state.route(dst);
+    let route = state.route_from(&ctx.pod.ips, dst);
     let metrics = &ctx.shared.metrics;
     match route {
         Route::Passthrough { target } => {
@@ -188,18 +190,27 @@ pub async fn open(
         }
         Route::Hbone {
             target,
+            hbone,
             identity,
             workload,
+            waypoint,
         } => {
-            let family = if target.is_ipv6() { "IPv6" } else { "IPv4" };
+            let family = if hbone.is_ipv6() { "IPv6" } else { "IPv4" };
             let src_ip = ctx
                 .pod
-                .ip_like(target.ip())
+                .ip_like(hbone.ip())
                 .ok_or(ProxyError::NoPodAddress(family))?;
             let src = source(ctx, &state, Some(src_ip), client_port);
-            let mut dst_end = state.endpoint(target);
+            // Through a waypoint the peer is the waypoint (Istio reports
+            // it as the destination workload, with the service dialled).
+            let mut dst_end = state.endpoint(if waypoint { hbone } else { target });
             dst_end.identity = Some(identity.to_string());
-            if let Some(local) = ctx.shared.local_pod(target.ip()) {
+            // A waypoint is always reached over HBONE: the fast path would
+            // connect into the destination and skip it.
+            let local = (!waypoint)
+                .then(|| ctx.shared.local_pod(target.ip()))
+                .flatten();
+            if let Some(local) = local {
                 // Same node: no TLS needed, the identities are known here.
                 // The destination's policy is applied here, as its 15008
                 // would, and the connection is made inside the destination
@@ -264,7 +275,7 @@ pub async fn open(
             let key = PoolKey {
                 src_ip,
                 src: ctx.pod.identity.clone(),
-                dst: hbone_addr(target.ip()),
+                dst: hbone,
                 dst_identity: identity.clone(),
             };
             let client = SocketAddr::new(src_ip, client_port);
@@ -286,6 +297,8 @@ pub async fn open(
                 src_identity = %ctx.pod.identity,
                 dst_identity = %identity,
                 hbone_connection = tunnel.connection,
+                hbone_peer = %hbone,
+                waypoint,
                 path = "hbone",
                 "outbound connection opened"
             );

@@ -18,6 +18,8 @@
 //!     vips: [10.96.0.10]
 //!     ports: [{port: 80, targetPort: 8080}]
 //!     endpoints: [pod-a1]       # workload uids
+//!     waypoint: {hostname: wp.demo.svc.cluster.local}  # optional; or
+//!                               # {address: IP}; also on workloads
 //! outboundTrafficPolicy: ALLOW_ANY   # or REGISTRY_ONLY
 //! ```
 //!
@@ -230,6 +232,9 @@ fn validate(config: &LocalConfig) -> Vec<String> {
                 netns.display()
             ));
         }
+        if let Some(problem) = w.waypoint.as_ref().and_then(super::Waypoint::problem) {
+            problems.push(format!("{}: {problem}", at("waypoint")));
+        }
     }
     let mut vips = HashSet::new();
     for (i, svc) in config.services.iter().enumerate() {
@@ -246,6 +251,9 @@ fn validate(config: &LocalConfig) -> Vec<String> {
             if !uids.contains(uid) {
                 problems.push(format!("{}: no workload with uid {uid:?}", at("endpoints")));
             }
+        }
+        if let Some(problem) = svc.waypoint.as_ref().and_then(super::Waypoint::problem) {
+            problems.push(format!("{}: {problem}", at("waypoint")));
         }
     }
     problems

@@ -10,20 +10,29 @@ use std::{
     },
 };
 
-use super::{Workload, WorkloadProtocol, local::LocalConfig, service::Service};
+use super::{
+    Waypoint, Workload, WorkloadProtocol, local::LocalConfig, service::Service,
+    waypoint::DEFAULT_HBONE_PORT,
+};
 use crate::identity::Identity;
 
 /// Where an outbound connection goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
-    /// HBONE to `pod`'s port 15008, `:authority` = `target`.
+    /// HBONE to `hbone` (a pod's port 15008, or a waypoint's HBONE port),
+    /// `:authority` = `target`.
     Hbone {
-        /// The endpoint (pod IP and target port).
+        /// The `:authority`: the endpoint (pod IP and target port), or
+        /// through a waypoint the address the application dialled.
         target: SocketAddr,
-        /// The identity the destination must present.
+        /// Where the HBONE connection goes.
+        hbone: SocketAddr,
+        /// The identity the peer at `hbone` must present.
         identity: Identity,
-        /// The destination workload's uid.
+        /// The uid of the workload at `hbone`.
         workload: String,
+        /// `hbone` is the destination's waypoint.
+        waypoint: bool,
     },
     /// Plain TCP to `target`.
     Passthrough {
@@ -74,6 +83,8 @@ pub struct MeshState {
     by_ip: HashMap<IpAddr, usize>,
     by_uid: HashMap<String, usize>,
     by_vip: HashMap<IpAddr, usize>,
+    /// Services by hostname (waypoints are named by it).
+    by_hostname: HashMap<String, usize>,
     round_robin: Vec<AtomicUsize>,
     /// This node's workloads by name (see [`PodName`]).
     by_pod_name: HashMap<PodName, usize>,
@@ -101,10 +112,12 @@ impl MeshState {
             }
         }
         let mut vip_index = HashMap::new();
+        let mut by_hostname = HashMap::new();
         for (i, s) in config.services.iter().enumerate() {
             for vip in &s.vips {
                 vip_index.insert(*vip, i);
             }
+            by_hostname.insert(s.hostname(), i);
         }
         let round_robin = config
             .services
@@ -116,6 +129,7 @@ impl MeshState {
             by_ip,
             by_uid,
             by_vip: vip_index,
+            by_hostname,
             round_robin,
             by_pod_name: HashMap::new(),
             pods: PodDirectory::default(),
@@ -222,12 +236,23 @@ impl MeshState {
             .map(|ip| SocketAddr::new(ip, port))
     }
 
-    /// Decides where a captured connection to `dst` goes.
-    ///
-    /// Service endpoints are picked round-robin among the listed workloads
-    /// that have an address of the destination's family; every listed
-    /// endpoint is considered healthy (local mode has no health checks).
+    /// Decides where a captured connection to `dst` goes, for a client
+    /// that is none of the mesh's waypoints ([`Self::route_from`]).
     pub fn route(&self, dst: SocketAddr) -> Route {
+        self.route_from(&[], dst)
+    }
+
+    /// Decides where a captured connection from a pod with the addresses
+    /// `source` to `dst` goes.
+    ///
+    /// A service VIP with a waypoint goes to the waypoint; otherwise to one
+    /// of its endpoints, picked round-robin among the listed workloads that
+    /// have an address of the destination's family (every listed endpoint
+    /// is considered healthy: there are no health checks). A workload's IP
+    /// with a waypoint goes to that waypoint, unless the client is the
+    /// waypoint itself (which would loop). As in Istio, a workload reached
+    /// through its service does not go through the workload's waypoint.
+    pub fn route_from(&self, source: &[IpAddr], dst: SocketAddr) -> Route {
         if self.awaiting_control_plane {
             return Route::Deny {
                 reason: AWAITING_CONTROL_PLANE,
@@ -235,32 +260,29 @@ impl MeshState {
         }
         if let Some(&si) = self.by_vip.get(&dst.ip()) {
             let service = &self.config.services[si];
+            if let Some(waypoint) = &service.waypoint
+                && let Some(route) = self.through_waypoint(waypoint, dst, source)
+            {
+                return route;
+            }
             let Some(target_port) = service.target_port(dst.port()) else {
                 return Route::Deny {
                     reason: "service has no such port",
                 };
             };
-            let candidates: Vec<(&Workload, IpAddr)> = service
-                .endpoints
-                .iter()
-                .filter_map(|uid| self.workload(uid))
-                .filter_map(|w| {
-                    w.ips
-                        .iter()
-                        .find(|ip| ip.is_ipv6() == dst.is_ipv6())
-                        .map(|ip| (w, *ip))
-                })
-                .collect();
-            if candidates.is_empty() {
+            let Some((w, ip)) = self.pick_endpoint(si, dst.is_ipv6()) else {
                 return Route::Deny {
                     reason: "service has no endpoints",
                 };
-            }
-            let n = self.round_robin[si].fetch_add(1, Ordering::Relaxed) % candidates.len();
-            let (w, ip) = candidates[n];
+            };
             return self.to_workload(w, SocketAddr::new(ip, target_port));
         }
         if let Some(w) = self.workload_by_ip(dst.ip()) {
+            if let Some(waypoint) = &w.waypoint
+                && let Some(route) = self.through_waypoint(waypoint, dst, source)
+            {
+                return route;
+            }
             return self.to_workload(w, dst);
         }
         match self.config.outbound_traffic_policy {
@@ -271,12 +293,107 @@ impl MeshState {
         }
     }
 
+    /// The next endpoint of service `si` with an address of the family.
+    fn pick_endpoint(&self, si: usize, v6: bool) -> Option<(&Workload, IpAddr)> {
+        let candidates: Vec<(&Workload, IpAddr)> = self.config.services[si]
+            .endpoints
+            .iter()
+            .filter_map(|uid| self.workload(uid))
+            .filter_map(|w| {
+                w.ips
+                    .iter()
+                    .find(|ip| ip.is_ipv6() == v6)
+                    .map(|ip| (w, *ip))
+            })
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let n = self.round_robin[si].fetch_add(1, Ordering::Relaxed) % candidates.len();
+        Some(candidates[n])
+    }
+
+    /// The route to `dst` through `waypoint`; `None` when the client is
+    /// the waypoint (it goes on directly). A waypoint that cannot be found
+    /// or reached refuses the connection: going around it would skip the
+    /// policies it is there to apply.
+    fn through_waypoint(
+        &self,
+        waypoint: &Waypoint,
+        dst: SocketAddr,
+        source: &[IpAddr],
+    ) -> Option<Route> {
+        const NOT_FOUND: Route = Route::Deny {
+            reason: "the destination's waypoint is not in the mesh state (fail closed)",
+        };
+        let v6 = dst.is_ipv6();
+        let service = match (&waypoint.hostname, waypoint.address) {
+            (Some(host), _) => match self.by_hostname.get(host) {
+                Some(&si)
+                    if waypoint
+                        .namespace
+                        .as_ref()
+                        .is_none_or(|ns| *ns == self.config.services[si].namespace) =>
+                {
+                    Some(si)
+                }
+                _ => return Some(NOT_FOUND),
+            },
+            (None, Some(ip)) => self.by_vip.get(&ip).copied(),
+            (None, None) => return Some(NOT_FOUND),
+        };
+        // The client is one of the waypoint's pods: it is carrying the
+        // connection on after applying its policies.
+        let is_waypoint = |w: &Workload| w.ips.iter().any(|ip| source.contains(ip));
+        let (w, ip) = match (service, waypoint.address) {
+            (Some(si), _) => {
+                let service = &self.config.services[si];
+                if service
+                    .endpoints
+                    .iter()
+                    .filter_map(|uid| self.workload(uid))
+                    .any(is_waypoint)
+                {
+                    return None;
+                }
+                match self.pick_endpoint(si, v6) {
+                    Some(found) => found,
+                    None => {
+                        return Some(Route::Deny {
+                            reason: "the destination's waypoint has no endpoint of its address family",
+                        });
+                    }
+                }
+            }
+            (None, Some(ip)) => match self.workload_by_ip(ip) {
+                Some(w) if is_waypoint(w) => return None,
+                Some(w) => (w, ip),
+                None => return Some(NOT_FOUND),
+            },
+            (None, None) => return Some(NOT_FOUND),
+        };
+        let port = if waypoint.hbone_port == 0 {
+            DEFAULT_HBONE_PORT
+        } else {
+            waypoint.hbone_port
+        };
+        Some(Route::Hbone {
+            target: dst,
+            hbone: SocketAddr::new(ip, port),
+            identity: self.identity(w),
+            workload: w.uid.clone(),
+            waypoint: true,
+        })
+    }
+
     fn to_workload(&self, w: &Workload, target: SocketAddr) -> Route {
         match w.protocol {
             WorkloadProtocol::Hbone => Route::Hbone {
                 target,
+                hbone: SocketAddr::new(target.ip(), DEFAULT_HBONE_PORT),
                 identity: self.identity(w),
                 workload: w.uid.clone(),
+                waypoint: false,
             },
             WorkloadProtocol::Tcp => Route::Passthrough { target },
         }
@@ -457,10 +574,114 @@ services:
             s.route(dst),
             Route::Hbone {
                 target: dst,
+                hbone: "10.0.0.2:15008".parse().expect("addr"),
                 identity: Identity::new("cluster.local", "demo", "sa-b"),
-                workload: "b".into()
+                workload: "b".into(),
+                waypoint: false,
             }
         );
+    }
+
+    /// A mesh where `b` and the service `web` have waypoints; `wp` is the
+    /// waypoint's pod behind its service `waypoint`.
+    fn waypointed(workload_wp: &str, service_wp: &str) -> MeshState {
+        let yaml = format!(
+            "
+workloads:
+  - {{uid: a, name: a, namespace: demo, serviceAccount: sa-a, node: n1, ips: [10.0.0.1]}}
+  - {{uid: b, name: b, namespace: demo, serviceAccount: sa-b, node: n2, ips: [10.0.0.2, 'fd00::2'], waypoint: {workload_wp}}}
+  - {{uid: wp, name: wp, namespace: demo, serviceAccount: waypoint, node: n2, ips: [10.0.0.9]}}
+services:
+  - {{name: web, namespace: demo, vips: [10.96.0.1], ports: [{{port: 80, targetPort: 8080}}], endpoints: [b], waypoint: {service_wp}}}
+  - {{name: waypoint, namespace: demo, vips: [10.96.0.9], ports: [{{port: 15008}}], endpoints: [wp]}}
+"
+        );
+        MeshState::new(parse(&yaml, std::path::Path::new("t")).expect("valid"))
+    }
+
+    fn through(s: &MeshState, source: &[IpAddr], dst: &str) -> Route {
+        s.route_from(source, dst.parse().expect("addr"))
+    }
+
+    #[test]
+    fn a_destination_with_a_waypoint_is_reached_through_it_with_the_dialled_authority() {
+        let waypoint = Identity::new("cluster.local", "demo", "waypoint");
+        for (workload_wp, service_wp) in [
+            ("{address: 10.0.0.9}", "{address: 10.96.0.9}"),
+            (
+                "{hostname: waypoint.demo.svc.cluster.local}",
+                "{hostname: waypoint.demo.svc.cluster.local, namespace: demo}",
+            ),
+        ] {
+            let s = waypointed(workload_wp, service_wp);
+            let a = ["10.0.0.1".parse().expect("ip")];
+            for dst in ["10.96.0.1:80", "10.0.0.2:8080"] {
+                assert_eq!(
+                    through(&s, &a, dst),
+                    Route::Hbone {
+                        target: dst.parse().expect("addr"),
+                        hbone: "10.0.0.9:15008".parse().expect("addr"),
+                        identity: waypoint.clone(),
+                        workload: "wp".into(),
+                        waypoint: true,
+                    },
+                    "{dst} with waypoints {workload_wp} {service_wp}"
+                );
+            }
+            // The waypoint itself goes on to the destination, not to itself.
+            let wp = ["10.0.0.9".parse().expect("ip")];
+            assert!(matches!(
+                through(&s, &wp, "10.0.0.2:8080"),
+                Route::Hbone { waypoint: false, ref workload, .. } if workload == "b"
+            ));
+            assert!(matches!(
+                through(&s, &wp, "10.96.0.1:80"),
+                Route::Hbone { waypoint: false, ref workload, .. } if workload == "b"
+            ));
+            // An IPv6 destination: a waypoint named by its (IPv4) address
+            // is used as named (as Istio does); one named by hostname has
+            // no IPv6 endpoint, and the connection is refused, never sent
+            // around it.
+            let v6 = through(&s, &a, "[fd00::2]:8080");
+            if workload_wp.contains("address") {
+                assert!(
+                    matches!(v6, Route::Hbone { waypoint: true, hbone, .. } if hbone.ip().is_ipv4()),
+                    "{v6:?}"
+                );
+            } else {
+                assert!(matches!(v6, Route::Deny { .. }), "{v6:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_waypoint_that_cannot_be_found_refuses_the_connection() {
+        let a = ["10.0.0.1".parse().expect("ip")];
+        for (workload_wp, service_wp) in [
+            ("{address: 10.0.0.77}", "{address: 10.96.0.77}"),
+            (
+                "{hostname: nowhere.demo.svc.cluster.local}",
+                "{hostname: waypoint.demo.svc.cluster.local, namespace: elsewhere}",
+            ),
+        ] {
+            let s = waypointed(workload_wp, service_wp);
+            for dst in ["10.96.0.1:80", "10.0.0.2:8080"] {
+                assert!(
+                    matches!(through(&s, &a, dst), Route::Deny { reason } if reason.contains("waypoint")),
+                    "{dst} with waypoints {workload_wp} {service_wp}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_workload_reached_through_its_service_skips_its_own_waypoint() {
+        // Istio's rule: the service's waypoint (none here) decides.
+        let s = waypointed("{address: 10.0.0.9}", "null");
+        assert!(matches!(
+            through(&s, &["10.0.0.1".parse().expect("ip")], "10.96.0.1:80"),
+            Route::Hbone { waypoint: false, ref workload, .. } if workload == "b"
+        ));
     }
 
     #[test]

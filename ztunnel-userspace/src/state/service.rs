@@ -30,6 +30,13 @@ pub struct Service {
     /// Workload uids behind the service.
     #[serde(default)]
     pub endpoints: Vec<String>,
+    /// The hostname, when it is not `name.namespace.svc.cluster.local`
+    /// (istiod sends each service's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+    /// The waypoint connections to the VIPs go through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waypoint: Option<super::Waypoint>,
 }
 
 /// The cluster's DNS domain, the suffix of service hostnames. Kubernetes'
@@ -41,7 +48,9 @@ impl Service {
     /// `name.namespace.svc.cluster.local`: how a client names the service
     /// to the destination's ztunnel.
     pub fn hostname(&self) -> String {
-        format!("{}.{}.svc.{CLUSTER_DOMAIN}", self.name, self.namespace)
+        self.hostname
+            .clone()
+            .unwrap_or_else(|| format!("{}.{}.svc.{CLUSTER_DOMAIN}", self.name, self.namespace))
     }
 
     /// The target port for `port`, if the service exposes it.

@@ -88,6 +88,11 @@ pub struct Workload {
     /// Cluster id (metrics' `*_cluster`; default: unknown).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster_id: Option<String>,
+    /// The waypoint connections addressed to this workload's IPs go
+    /// through (not those addressed to one of its services: the service's
+    /// own waypoint decides those).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waypoint: Option<super::Waypoint>,
 }
 
 fn default_sa() -> String {

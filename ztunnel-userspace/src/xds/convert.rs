@@ -22,9 +22,11 @@
 //!   [`SELECTED_BY_PREFIX`]`ns/name`, which the policy selects). Istio
 //!   delivers STRICT mTLS as such a policy (DENY when no principal), so it
 //!   needs nothing else here. `dry_run` policies are not enforced.
-//! - Not supported yet, and refused rather than half-applied (a workload or
-//!   service behind a waypoint would otherwise skip the waypoint's
-//!   policies): waypoints and network gateways, destination-IP matches.
+//! - A workload's or service's `waypoint` (by hostname or address) is kept
+//!   as its [`Waypoint`]; the router sends its traffic there.
+//! - Not supported yet, and refused rather than half-applied (traffic would
+//!   otherwise skip what they stand for): network gateways, weighted
+//!   waypoints, destination-IP matches.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -35,10 +37,11 @@ use crate::{
     capture::maps::Cidr,
     proto::istio::{security, workload as xds},
     state::{
-        Service, Workload, WorkloadProtocol,
+        Service, Waypoint, Workload, WorkloadProtocol,
         local::LocalConfig,
         policy::{Action, Clause, Operation, Policy, ROOT_NAMESPACE, Rule, Source},
         service::ServicePort,
+        waypoint::DEFAULT_HBONE_PORT,
     },
 };
 
@@ -87,12 +90,18 @@ fn workload(w: &xds::Workload, selected_by: &[&str]) -> Result<Workload, String>
     if w.uid.is_empty() || w.name.is_empty() || w.namespace.is_empty() {
         return Err("a workload needs uid, name and namespace".into());
     }
-    if w.waypoint.is_some() || w.network_gateway.is_some() {
+    if w.network_gateway.is_some() {
         return Err(format!(
-            "workload {}/{} uses a waypoint or network gateway, which this ztunnel does not support yet",
+            "workload {}/{} uses a network gateway, which this ztunnel does not support yet",
             w.namespace, w.name
         ));
     }
+    let waypoint = w
+        .waypoint
+        .as_ref()
+        .map(waypoint)
+        .transpose()
+        .map_err(|e| format!("workload {}/{}: {e}", w.namespace, w.name))?;
     let ips = w
         .addresses
         .iter()
@@ -128,7 +137,35 @@ fn workload(w: &xds::Workload, selected_by: &[&str]) -> Result<Workload, String>
         canonical_name: non_empty(&w.canonical_name),
         canonical_revision: non_empty(&w.canonical_revision),
         cluster_id: non_empty(&w.cluster_id),
+        waypoint,
     })
+}
+
+/// A `GatewayAddress` naming a waypoint. The network of an address is not
+/// checked: this ztunnel knows one network (network gateways are refused).
+fn waypoint(g: &xds::GatewayAddress) -> Result<Waypoint, String> {
+    let hbone_port = match g.hbone_mtls_port {
+        0 => DEFAULT_HBONE_PORT,
+        p => port(p, "waypoint HBONE port")?,
+    };
+    let named = match &g.destination {
+        Some(xds::gateway_address::Destination::Hostname(h)) if !h.hostname.is_empty() => {
+            Waypoint {
+                hostname: Some(h.hostname.clone()),
+                namespace: non_empty(&h.namespace),
+                address: None,
+                hbone_port,
+            }
+        }
+        Some(xds::gateway_address::Destination::Address(a)) => Waypoint {
+            hostname: None,
+            namespace: None,
+            address: Some(ip(&a.address).map_err(|e| format!("waypoint: {e}"))?),
+            hbone_port,
+        },
+        _ => return Err("a waypoint without hostname or address".into()),
+    };
+    Ok(named)
 }
 
 fn non_empty(s: &str) -> Option<String> {
@@ -139,13 +176,14 @@ fn service(s: &xds::Service) -> Result<Service, String> {
     if s.name.is_empty() || s.namespace.is_empty() || s.hostname.is_empty() {
         return Err("a service needs name, namespace and hostname".into());
     }
-    if s.waypoint.is_some() || !s.weighted_waypoints.is_empty() {
+    if !s.weighted_waypoints.is_empty() {
         return Err(format!(
-            "service {}/{} uses a waypoint, which this ztunnel does not support yet",
+            "service {}/{} splits its traffic over weighted waypoints, which this ztunnel does not support yet",
             s.namespace, s.name
         ));
     }
     let at = |e: String| format!("service {}/{}: {e}", s.namespace, s.name);
+    let waypoint = s.waypoint.as_ref().map(waypoint).transpose().map_err(at)?;
     let vips = s
         .addresses
         .iter()
@@ -171,6 +209,8 @@ fn service(s: &xds::Service) -> Result<Service, String> {
         vips,
         ports,
         endpoints: Vec::new(),
+        hostname: Some(s.hostname.clone()),
+        waypoint,
     })
 }
 
@@ -463,6 +503,78 @@ mod tests {
                 assert_eq!(identity, Identity::new("cluster.local", "test", "b1"));
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn waypoints_by_hostname_or_address_route_through_the_waypoint() {
+        let mut r = Resources::default();
+        let mut b1 = pod(
+            "Kubernetes//Pod/test/b1",
+            "b1",
+            [10, 0, 0, 2],
+            &[("test/web.test.svc.cluster.local", 80, 8080)],
+        );
+        if let Some(xds::address::Type::Workload(w)) = &mut b1.r#type {
+            w.waypoint = Some(xds::GatewayAddress {
+                destination: Some(xds::gateway_address::Destination::Address(
+                    xds::NetworkAddress {
+                        address: vec![10, 0, 0, 9],
+                        ..xds::NetworkAddress::default()
+                    },
+                )),
+                hbone_mtls_port: 15008,
+            });
+        }
+        let mut web = web();
+        if let Some(xds::address::Type::Service(s)) = &mut web.r#type {
+            s.waypoint = Some(xds::GatewayAddress {
+                destination: Some(xds::gateway_address::Destination::Hostname(
+                    xds::NamespacedHostname {
+                        namespace: "test".into(),
+                        hostname: "wp.test.svc.cluster.local".into(),
+                    },
+                )),
+                hbone_mtls_port: 0,
+            });
+        }
+        let mut wp_svc = self::web();
+        if let Some(xds::address::Type::Service(s)) = &mut wp_svc.r#type {
+            s.name = "wp".into();
+            s.hostname = "wp.test.svc.cluster.local".into();
+            s.addresses[0].address = vec![10, 96, 0, 9];
+        }
+        for a in [
+            b1,
+            web,
+            wp_svc,
+            pod(
+                "Kubernetes//Pod/test/wp",
+                "wp",
+                [10, 0, 0, 9],
+                &[("test/wp.test.svc.cluster.local", 80, 15008)],
+            ),
+        ] {
+            check_address(&a).expect("valid");
+            let key = format!("{}", r.addresses.len());
+            r.addresses.insert(key, a);
+        }
+        let state = MeshState::new(to_config("cluster.local", &r));
+        for dst in ["10.96.0.1:80", "10.0.0.2:8080"] {
+            match state.route(dst.parse().expect("addr")) {
+                Route::Hbone {
+                    target,
+                    hbone,
+                    identity,
+                    waypoint: true,
+                    ..
+                } => {
+                    assert_eq!(target, dst.parse().expect("addr"));
+                    assert_eq!(hbone, "10.0.0.9:15008".parse().expect("addr"));
+                    assert_eq!(identity, Identity::new("cluster.local", "test", "wp"));
+                }
+                other => panic!("{dst}: {other:?}"),
+            }
         }
     }
 
