@@ -298,6 +298,27 @@ impl AggregatedDiscoveryService for Ads {
     }
 }
 
+/// A waypoint as istiod names it.
+fn gateway(w: &ztunnel::state::Waypoint) -> ztunnel::proto::istio::workload::GatewayAddress {
+    use ztunnel::proto::istio::workload as xds;
+    let destination = match (&w.hostname, &w.address) {
+        (Some(hostname), _) => {
+            xds::gateway_address::Destination::Hostname(xds::NamespacedHostname {
+                namespace: w.namespace.clone().unwrap_or_default(),
+                hostname: hostname.clone(),
+            })
+        }
+        (None, address) => xds::gateway_address::Destination::Address(xds::NetworkAddress {
+            address: address.as_ref().map(ip_bytes).unwrap_or_default(),
+            ..xds::NetworkAddress::default()
+        }),
+    };
+    xds::GatewayAddress {
+        destination: Some(destination),
+        hbone_mtls_port: u32::from(w.hbone_port),
+    }
+}
+
 /// What istiod would send for a local-mode config, so that the same YAML
 /// fixtures drive both modes: every workload (named as istiod names pods,
 /// `Kubernetes//Pod/NS/NAME`, not by the config's uid), every service, and
@@ -369,6 +390,7 @@ pub fn from_local(
             canonical_name: w.labels.get("app").cloned().unwrap_or_default(),
             services,
             authorization_policies: selected,
+            waypoint: w.waypoint.as_ref().map(gateway),
             ..xds::Workload::default()
         };
         addresses.push((
@@ -392,6 +414,7 @@ pub fn from_local(
                 })
                 .collect(),
             ports: s.ports.iter().copied().map(port).collect(),
+            waypoint: s.waypoint.as_ref().map(gateway),
             ..xds::Service::default()
         };
         addresses.push((

@@ -83,6 +83,12 @@ fuzz_target!(|data: &[u8]| {
         for vip in &s.vips {
             for port in &s.ports {
                 match state.route(SocketAddr::new(*vip, port.port)) {
+                    // Through a waypoint the authority is what was dialled.
+                    Route::Hbone {
+                        target,
+                        waypoint: true,
+                        ..
+                    } => assert_eq!(target, SocketAddr::new(*vip, port.port)),
                     Route::Hbone { target, .. } | Route::Passthrough { target } => {
                         // The first entry for a port wins (duplicates are not
                         // an error).

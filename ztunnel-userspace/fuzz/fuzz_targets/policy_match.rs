@@ -354,6 +354,7 @@ fuzz_target!(|input: Input| {
         canonical_name: None,
         canonical_revision: None,
         cluster_id: None,
+        waypoint: None,
     };
     let config = LocalConfig {
         workloads: vec![workload],
