@@ -58,6 +58,9 @@ pub struct XdsState {
     streams: std::sync::atomic::AtomicU64,
     changed: watch::Sender<u64>,
     kicks: watch::Sender<u64>,
+    /// While true, streams are answered nothing (an istiod that accepted
+    /// the stream but has not pushed yet).
+    silent: watch::Sender<bool>,
 }
 
 impl Default for XdsState {
@@ -69,6 +72,7 @@ impl Default for XdsState {
             streams: std::sync::atomic::AtomicU64::new(0),
             changed: watch::Sender::new(0),
             kicks: watch::Sender::new(0),
+            silent: watch::Sender::new(false),
         }
     }
 }
@@ -119,6 +123,12 @@ impl XdsState {
             of_type.remove(name);
         }
         self.changed.send_modify(|g| *g += 1);
+    }
+
+    /// Holds every push (first ones included) while `silent`; when it
+    /// ends, each stream gets what it subscribed to at once.
+    pub fn set_silent(&self, silent: bool) {
+        self.silent.send_replace(silent);
     }
 
     /// Cuts every open stream (the client sees istiod close it).
@@ -264,9 +274,11 @@ impl AggregatedDiscoveryService for Ads {
             let mut generations = state.changed.subscribe();
             let mut kicks = state.kicks.subscribe();
             kicks.borrow_and_update();
+            let mut silent = state.silent.subscribe();
             let mut nonce = 0u64;
             loop {
                 let mut out = Vec::new();
+                let quiet = *silent.borrow_and_update();
                 tokio::select! {
                     req = inbound.message() => {
                         let Ok(Some(req)) = req else { break };
@@ -274,15 +286,29 @@ impl AggregatedDiscoveryService for Ads {
                         if req.response_nonce.is_empty() {
                             let have = sent.entry(req.type_url.clone()).or_default();
                             have.clone_from(&req.initial_resource_versions.into_iter().collect());
-                            nonce += 1;
-                            out.extend(state.diff(&req.type_url, have, nonce, true));
+                            if !quiet {
+                                nonce += 1;
+                                out.extend(state.diff(&req.type_url, have, nonce, true));
+                            }
                         }
                     }
                     changed = generations.changed() => {
                         if changed.is_err() { break }
-                        for (type_url, have) in &mut sent {
-                            nonce += 1;
-                            out.extend(state.diff(type_url, have, nonce, false));
+                        if !quiet {
+                            for (type_url, have) in &mut sent {
+                                nonce += 1;
+                                out.extend(state.diff(type_url, have, nonce, false));
+                            }
+                        }
+                    }
+                    changed = silent.changed() => {
+                        if changed.is_err() { break }
+                        // Released: everything subscribed so far, at once.
+                        if !*silent.borrow_and_update() {
+                            for (type_url, have) in &mut sent {
+                                nonce += 1;
+                                out.extend(state.diff(type_url, have, nonce, true));
+                            }
                         }
                     }
                     _ = kicks.changed() => break,

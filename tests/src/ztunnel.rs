@@ -139,6 +139,24 @@ impl Ztunnel {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
+        let z = Self::spawn(cluster, node, filter, extra, env);
+        z.wait_for_log("ztunnel ready", Duration::from_secs(20));
+        z
+    }
+
+    /// Starts ztunnel without waiting until it is ready (for tests of what
+    /// it does before).
+    pub fn start_unready(cluster: &Cluster, node: usize, extra: &[&str]) -> Self {
+        Self::spawn(cluster, node, TEST_LOG, extra, &[])
+    }
+
+    fn spawn(
+        cluster: &Cluster,
+        node: usize,
+        filter: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let paths = ZtunnelPaths::for_node(cluster, node);
         let node_ref = cluster.node(node);
         let cgroup = TestCgroup::create(&format!(
@@ -180,16 +198,14 @@ impl Ztunnel {
         .stdout(Stdio::null())
         .stderr(Stdio::from(log));
         let process = PodProcess::spawn_with_io(&format!("ztunnel-{}", node_ref.name), cmd);
-        let z = Self {
+        Self {
             process: Some(process),
             log: paths.log,
             bpffs: paths.bpffs,
             socket: paths.socket,
             pod_records: paths.pod_records,
             _cgroup: cgroup,
-        };
-        z.wait_for_log("ztunnel ready", Duration::from_secs(20));
-        z
+        }
     }
 
     /// `/metrics` of the ztunnel of `node`, fetched from inside the node by

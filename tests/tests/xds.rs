@@ -18,6 +18,7 @@ use ztunnel::proto::istio::{
 use ztunnel_tests::{
     Cluster,
     ads::XdsRequestSeen,
+    cgroup::TestCgroup,
     flows::{self, ClientRun},
     istiod::FakeIstiod,
     probe_bin,
@@ -157,8 +158,9 @@ impl Setup {
         }
     }
 
-    /// ztunnel of `node` run from istiod (xDS and CA), no config file.
-    fn ztunnel(&self, node: usize) -> Ztunnel {
+    /// ztunnel's flags for `node` run from istiod (xDS and CA), no
+    /// config file.
+    fn args(&self, node: usize) -> Vec<String> {
         let n = self.cluster.node(node);
         let mut args = self.istiod.ztunnel_args();
         args.extend(self.istiod.xds_args());
@@ -168,8 +170,26 @@ impl Setup {
             "--pod-name".into(),
             format!("ztunnel-{}", n.name),
         ]);
+        args
+    }
+
+    /// ztunnel of `node` run from istiod, once it is ready.
+    fn ztunnel(&self, node: usize) -> Ztunnel {
+        let args = self.args(node);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         Ztunnel::start(&self.cluster, node, &args)
+    }
+
+    /// `/healthz/ready` of `node`'s ztunnel: the status code.
+    fn readiness(&self, node: usize) -> u16 {
+        let cg = TestCgroup::create(&format!("{}/ready-{node}", self.cluster.prefix()));
+        Ztunnel::http_get(
+            &self.cluster.node(node).netns().path(),
+            &cg.procs(),
+            "127.0.0.1:15021",
+            "/healthz/ready",
+        )
+        .0
     }
 
     /// Enrols `pod` into `z` the way istio-cni does: its own uid (not
@@ -458,5 +478,89 @@ fn a_bad_resource_is_nacked_by_name_and_a_cut_stream_resumes_from_its_versions()
         beat_event(&mut open, Duration::from_secs(2)),
         None,
         "the open connection broke when istiod's stream was cut"
+    );
+}
+
+/// A connection of `from` to `dst` carrying a little data.
+fn small_flow(from: &ztunnel_tests::Pod, dst: SocketAddr) -> Finished {
+    flows::client(
+        from,
+        dst,
+        &ClientRun {
+            bytes: 5_000,
+            connect_timeout: 3,
+            limit: Duration::from_secs(15),
+            ..ClientRun::default()
+        },
+    )
+}
+
+#[test]
+fn before_istiods_first_push_every_connection_is_refused() {
+    if !require_root("before_istiods_first_push_every_connection_is_refused") {
+        return;
+    }
+    // istiod accepts the stream and says nothing: the window a pod can be
+    // enrolled in (istio-cni sends its snapshot at once) while ztunnel
+    // knows no workload and no policy. b1 has no ztunnel yet and serves in
+    // plain text: an empty state would pass a1's connection to it in clear.
+    let s = Setup::new();
+    s.istiod.xds.set_silent(true);
+    let (a1, a2, b1) = (
+        s.cluster.pod("a1"),
+        s.cluster.pod("a2"),
+        s.cluster.pod("b1"),
+    );
+    let b1_addr = SocketAddr::from((b1.ip, 8080));
+    let a1_addr = SocketAddr::from((a1.ip, 9090));
+    let mut b1_server = flows::server(b1, b1_addr, "echo");
+    let mut a1_server = flows::server(a1, a1_addr, "echo");
+    let args = s.args(s.a);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let za = Ztunnel::start_unready(&s.cluster, s.a, &args);
+    za.wait_for_log("enrolment socket listening", Duration::from_secs(20));
+    s.enrol(&za, "a1");
+    za.wait_for_log("pod enrolled pod=k8s-uid-a1", Duration::from_secs(10));
+    assert_eq!(s.readiness(s.a), 503, "ready before istiod pushed anything");
+
+    // Outbound from the enrolled pod, to a meshed destination istiod has
+    // not described yet: refused, and nothing reaches b1.
+    let out = small_flow(a1, b1_addr);
+    assert!(
+        !out.stdout.contains("RESULT ok"),
+        "outbound passed before the first push: {out:?}"
+    );
+    assert_eq!(
+        b1_server.try_read_line(Duration::from_secs(1)),
+        None,
+        "b1 was reached in clear before the first push"
+    );
+    // Inbound to the enrolled pod from a pod outside the mesh: refused.
+    let inbound = small_flow(a2, a1_addr);
+    assert!(
+        !inbound.stdout.contains("RESULT ok"),
+        "inbound passed before the first push: {inbound:?}"
+    );
+    assert_eq!(
+        a1_server.try_read_line(Duration::from_secs(1)),
+        None,
+        "a1 was reached before the first push"
+    );
+    za.wait_for_log("no mesh state from istiod yet", Duration::from_secs(5));
+    assert_eq!(s.readiness(s.a), 503, "ready before istiod pushed anything");
+
+    // istiod speaks: ready, and the same flow goes through the mesh.
+    s.istiod.xds.set_silent(false);
+    za.wait_for_log("ztunnel ready", Duration::from_secs(20));
+    let zb = s.ztunnel(s.b);
+    s.enrol(&zb, "b1");
+    zb.wait_for_log("pod enrolled pod=k8s-uid-b1", Duration::from_secs(10));
+    flows::assert_ok(&small_flow(a1, b1_addr));
+    let peer = flows::last_peer(&mut b1_server);
+    assert!(peer.starts_with(&format!("{}:", a1.ip)), "b1 saw {peer}");
+    assert!(
+        zb.log()
+            .contains("src_identity=spiffe://cluster.local/ns/test/sa/a1"),
+        "b1's connection did not come over HBONE"
     );
 }
