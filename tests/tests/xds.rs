@@ -564,3 +564,86 @@ fn before_istiods_first_push_every_connection_is_refused() {
         "b1's connection did not come over HBONE"
     );
 }
+
+/// `args` with the value after `flag` replaced.
+fn with_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> {
+    let at = args
+        .iter()
+        .position(|a| a == flag)
+        .unwrap_or_else(|| panic!("no {flag} in {args:?}"));
+    args[at + 1] = value.to_owned();
+    args
+}
+
+#[test]
+fn an_istiod_with_a_foreign_certificate_or_a_refused_token_is_never_trusted() {
+    if !require_root("an_istiod_with_a_foreign_certificate_or_a_refused_token_is_never_trusted") {
+        return;
+    }
+    let s = Setup::new();
+    let dir = s.cluster.dir();
+    // node-a: a token istiod refuses (re-read on each call, so fixing the
+    // file is enough). node-b: a root that did not sign istiod's
+    // certificate (an impostor, or a rotated root ztunnel does not have).
+    let token = dir.join("wrong-token");
+    std::fs::write(&token, "not-the-token\n").expect("write token");
+    let other = rcgen::generate_simple_self_signed(vec!["istiod.istio-system.svc".to_owned()])
+        .expect("other root");
+    let root = dir.join("other-root.pem");
+    std::fs::write(&root, other.cert.pem()).expect("write root");
+    let a_args = with_flag(s.args(s.a), "--auth-token", token.to_str().expect("utf-8"));
+    let b_args = with_flag(
+        s.args(s.b),
+        "--xds-root-cert",
+        root.to_str().expect("utf-8"),
+    );
+    let a_args: Vec<&str> = a_args.iter().map(String::as_str).collect();
+    let b_args: Vec<&str> = b_args.iter().map(String::as_str).collect();
+    let za = Ztunnel::start_unready(&s.cluster, s.a, &a_args);
+    let zb = Ztunnel::start_unready(&s.cluster, s.b, &b_args);
+    za.wait_for_log("xDS stream failed", Duration::from_secs(20));
+    zb.wait_for_log("xDS stream failed", Duration::from_secs(20));
+    // Each names what is wrong.
+    let failure = |z: &Ztunnel| {
+        z.log()
+            .lines()
+            .find(|l| l.contains("xDS stream failed"))
+            .map(str::to_owned)
+            .unwrap_or_default()
+    };
+    let (a_failure, b_failure) = (failure(&za), failure(&zb));
+    assert!(
+        a_failure.contains("Unauthenticated") && a_failure.contains("token"),
+        "{a_failure}"
+    );
+    assert!(
+        b_failure.contains("invalid peer certificate: UnknownIssuer"),
+        "{b_failure}"
+    );
+    for line in [&a_failure, &b_failure] {
+        assert!(line.contains("connections stay refused"), "{line}");
+    }
+    // Never ready, and it keeps trying (bounded back-off, not a crash).
+    assert_eq!(s.readiness(s.a), 503);
+    assert_eq!(s.readiness(s.b), 503);
+    za.wait_for_log("retry_in=1s", Duration::from_secs(10));
+    zb.wait_for_log("retry_in=1s", Duration::from_secs(10));
+    // node-b's ztunnel never completed a handshake with the real istiod,
+    // so istiod saw no request from it; node-a's were refused before any.
+    assert!(
+        s.requests_from(s.b).is_empty(),
+        "{:?}",
+        s.requests_from(s.b)
+    );
+    assert!(
+        s.requests_from(s.a).is_empty(),
+        "{:?}",
+        s.requests_from(s.a)
+    );
+
+    // The right token in the same file: the next attempt gets through.
+    std::fs::write(&token, format!("{}\n", s.istiod.token)).expect("fix token");
+    za.wait_for_log("ztunnel ready", Duration::from_secs(40));
+    assert_eq!(s.readiness(s.a), 200);
+    assert_eq!(s.readiness(s.b), 503);
+}

@@ -201,12 +201,19 @@ impl XdsClient {
                 s.connected = false;
                 s.reconnects += 1;
             });
+            // Before the first sync there is no last state to serve: say
+            // what happens instead (connections are refused).
+            let meanwhile = if *synced.borrow() {
+                "serving the last state until it is back"
+            } else {
+                "no mesh state yet: connections stay refused until istiod answers"
+            };
             match outcome {
                 Ok(()) => {
-                    tracing::info!(xds = %self.settings.address, retry_in = ?backoff, "xDS stream closed by istiod; serving the last state until it is back");
+                    tracing::info!(xds = %self.settings.address, retry_in = ?backoff, "xDS stream closed by istiod; {meanwhile}");
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "xDS stream failed; serving the last state until it is back");
+                    tracing::warn!(error = %e, retry_in = ?backoff, "xDS stream failed; {meanwhile}");
                 }
             }
             tokio::time::sleep(backoff).await;
