@@ -571,7 +571,7 @@ fn with_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> {
         .iter()
         .position(|a| a == flag)
         .unwrap_or_else(|| panic!("no {flag} in {args:?}"));
-    args[at + 1] = value.to_owned();
+    value.clone_into(&mut args[at + 1]);
     args
 }
 
