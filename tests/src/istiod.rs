@@ -73,8 +73,21 @@ pub struct FakeIstiod {
     /// The xDS side: what it serves, what it was asked.
     pub xds: Arc<XdsState>,
     shared: Arc<Shared>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// What a (re)started server serves.
+    serving: Serving,
+    stop: Option<tokio::sync::watch::Sender<bool>>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// Everything a server thread needs; kept so that a restart serves the
+/// same root, certificate and state.
+#[derive(Clone)]
+struct Serving {
+    netns: PathBuf,
+    addr: SocketAddr,
+    identity: tonic::transport::Identity,
+    ca: Arc<Ca>,
+    ads: Arc<Ads>,
 }
 
 struct Ca {
@@ -258,42 +271,14 @@ impl FakeIstiod {
             server_key.serialize_pem(),
         );
         let addr = SocketAddr::from((ip, ISTIOD_PORT));
-        let ns = std::fs::File::open(netns.path()).expect("open netns");
-        let (bound_tx, bound_rx) = std::sync::mpsc::channel();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            // The listener is made inside the namespace; the runtime runs
-            // on this thread only.
-            nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .expect("enter istiod's namespace");
-            let listener = std::net::TcpListener::bind(addr).expect("bind fake istiod");
-            listener.set_nonblocking(true).expect("nonblocking");
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
-                let incoming = tonic::transport::server::TcpIncoming::from(listener);
-                bound_tx.send(()).expect("report bound");
-                let served = tonic::transport::Server::builder()
-                    .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
-                    .expect("server TLS")
-                    .timeout(Duration::from_secs(10))
-                    .add_service(IstioCertificateServiceServer::new(ca))
-                    .add_service(AggregatedDiscoveryServiceServer::new(ads))
-                    .serve_with_incoming_shutdown(incoming, async {
-                        let _ = stop_rx.await;
-                    })
-                    .await;
-                if let Err(e) = served {
-                    eprintln!("fake istiod stopped: {e}");
-                }
-            });
-        });
-        bound_rx
-            .recv_timeout(Duration::from_secs(5))
-            .expect("fake istiod listening");
+        let serving = Serving {
+            netns: netns.path(),
+            addr,
+            identity,
+            ca: Arc::new(ca),
+            ads: Arc::new(ads),
+        };
+        let (stop, thread) = serve(serving.clone());
         Self {
             addr,
             root_cert,
@@ -301,8 +286,31 @@ impl FakeIstiod {
             token,
             xds,
             shared,
-            stop: Some(stop_tx),
+            serving,
+            stop: Some(stop),
             thread: Some(thread),
+        }
+    }
+
+    /// Stops serving (open streams are cut, new connections refused), stays
+    /// down for `down`, then serves again on the same address with the same
+    /// root, certificate, token and resources: an istiod restart.
+    pub fn restart(&mut self, down: Duration) {
+        self.halt();
+        std::thread::sleep(down);
+        let (stop, thread) = serve(self.serving.clone());
+        self.stop = Some(stop);
+        self.thread = Some(thread);
+    }
+
+    fn halt(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(true);
+        }
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            eprintln!("cleanup: the fake istiod's thread panicked");
         }
     }
 
@@ -373,13 +381,74 @@ impl FakeIstiod {
 
 impl Drop for FakeIstiod {
     fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(t) = self.thread.take()
-            && t.join().is_err()
-        {
-            eprintln!("cleanup: the fake istiod's thread panicked");
+        self.halt();
+    }
+}
+
+/// Runs the gRPC server on its own thread inside the namespace until the
+/// returned sender says stop; returns once it listens. A stop cuts what is
+/// open: streams get at most a second to end on their own, as when the
+/// process goes away.
+fn serve(serving: Serving) -> (tokio::sync::watch::Sender<bool>, JoinHandle<()>) {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let ns = std::fs::File::open(&serving.netns).expect("open netns");
+    let thread = std::thread::spawn(move || {
+        // The listener is made inside the namespace; the runtime runs on
+        // this thread only.
+        nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+            .expect("enter istiod's namespace");
+        let listener = bind_retrying(serving.addr);
+        listener.set_nonblocking(true).expect("nonblocking");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
+            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            bound_tx.send(()).expect("report bound");
+            let (mut graceful, mut hard) = (stop_rx.clone(), stop_rx);
+            let served = tonic::transport::Server::builder()
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(serving.identity))
+                .expect("server TLS")
+                .timeout(Duration::from_secs(10))
+                .add_service(IstioCertificateServiceServer::from_arc(serving.ca))
+                .add_service(AggregatedDiscoveryServiceServer::from_arc(serving.ads))
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = graceful.wait_for(|stop| *stop).await;
+                });
+            tokio::select! {
+                served = served => {
+                    if let Err(e) = served {
+                        eprintln!("fake istiod stopped: {e}");
+                    }
+                }
+                () = async move {
+                    let _ = hard.wait_for(|stop| *stop).await;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                } => {}
+            }
+        });
+    });
+    bound_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("fake istiod listening");
+    (stop_tx, thread)
+}
+
+/// Binds `addr`, retrying for up to 5 s while a previous server's socket
+/// still holds it.
+fn bind_retrying(addr: SocketAddr) -> std::net::TcpListener {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match std::net::TcpListener::bind(addr) {
+            Ok(listener) => return listener,
+            Err(e) if std::time::Instant::now() < deadline => {
+                eprintln!("fake istiod: bind {addr}: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!("bind fake istiod on {addr}: {e}"),
         }
     }
 }

@@ -647,3 +647,63 @@ fn an_istiod_with_a_foreign_certificate_or_a_refused_token_is_never_trusted() {
     assert_eq!(s.readiness(s.a), 200);
     assert_eq!(s.readiness(s.b), 503);
 }
+
+#[test]
+fn an_istiod_restart_loses_no_connection_and_the_new_stream_resumes_from_versions() {
+    if !require_root(
+        "an_istiod_restart_loses_no_connection_and_the_new_stream_resumes_from_versions",
+    ) {
+        return;
+    }
+    let mut s = Setup::new();
+    let b1 = s.cluster.pod("b1");
+    let b1_dst = SocketAddr::from((b1.ip, 8080));
+    let _server = flows::server(b1, b1_dst, "echo");
+    let za = s.ztunnel(s.a);
+    let zb = s.ztunnel(s.b);
+    s.enrol(&za, "a1");
+    s.enrol(&zb, "b1");
+    flows::assert_ok(&s.flow("a1"));
+    let mut open = beat(s.cluster.pod("a1"), b1_dst);
+    let before = s.requests_from(s.a).len();
+
+    // istiod goes away for 3 s (every stream and connection cut, new ones
+    // refused) and comes back with the same state.
+    s.istiod.restart(Duration::from_secs(3));
+    let cuts = za.count_log_lines(&["xDS stream closed by istiod"])
+        + za.count_log_lines(&["xDS stream failed"]);
+    assert!(cuts > 0, "the restart did not cut node-a's stream");
+    // While it was down and since: the last state serves new connections.
+    flows::assert_ok(&s.flow("a1"));
+    s.wait_until(
+        "node-a resubscribes with the versions it holds",
+        Duration::from_secs(20),
+        || {
+            s.requests_from(s.a)[before..].iter().any(|r| {
+                r.nonce.is_empty()
+                    && r.type_url == ztunnel::xds::ADDRESS_TYPE
+                    && r.initial_versions.contains_key(&uid("b1"))
+            })
+        },
+    );
+    assert_eq!(
+        beat_event(&mut open, Duration::from_secs(1)),
+        None,
+        "the open connection broke across istiod's restart"
+    );
+    // The new stream is live: a push after the restart applies.
+    s.istiod
+        .xds
+        .set_policy(&deny("no-a1", "cluster.local/ns/test/sa/a1"));
+    let event = beat_event(&mut open, Duration::from_secs(15)).unwrap_or_else(|| {
+        panic!(
+            "a DENY pushed after the restart did not apply; log:\n{}",
+            zb.log()
+        )
+    });
+    assert!(event.starts_with("CLOSED"), "{event}");
+    assert!(
+        !s.flow("a1").stdout.contains("RESULT ok"),
+        "a1 still connects after the DENY"
+    );
+}
