@@ -372,14 +372,11 @@ impl MeshState {
             },
             (None, None) => return Some(NOT_FOUND),
         };
-        let port = if waypoint.hbone_port == 0 {
-            DEFAULT_HBONE_PORT
-        } else {
-            waypoint.hbone_port
-        };
+        // hbone_port is never 0: the YAML's validation refuses it and the
+        // xDS conversion maps istiod's 0 to the default.
         Some(Route::Hbone {
             target: dst,
-            hbone: SocketAddr::new(ip, port),
+            hbone: SocketAddr::new(ip, waypoint.hbone_port),
             identity: self.identity(w),
             workload: w.uid.clone(),
             waypoint: true,
