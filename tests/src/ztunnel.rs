@@ -56,6 +56,11 @@ pub fn ztunnel_bin() -> PathBuf {
 /// when a test fails.
 pub const TEST_LOG: &str = "info,ztunnel=debug";
 
+/// The log filter that passes no `--log` at all (and no `ZTUNNEL_LOG`):
+/// ztunnel logs as shipped, `info` with the access log on. What the
+/// benchmark runs, since a filter no user runs skews its figures.
+pub const SHIPPED_LOG: &str = "";
+
 /// One running ztunnel.
 #[derive(Debug)]
 pub struct Ztunnel {
@@ -115,9 +120,26 @@ impl Ztunnel {
         Self::start_full(cluster, node, TEST_LOG, extra, &[])
     }
 
-    /// [`Self::start`] with the log filter `filter` (`info` is what users run).
+    /// [`Self::start`] with the log filter `filter` (`info` is what users
+    /// run); [`SHIPPED_LOG`] (empty) passes no `--log`, leaving ztunnel at
+    /// its default.
     pub fn start_with_log(cluster: &Cluster, node: usize, filter: &str, extra: &[&str]) -> Self {
         Self::start_full(cluster, node, filter, extra, &[])
+    }
+
+    /// [`Self::start_with_log`] with the ztunnel binary at `binary` instead
+    /// of [`ztunnel_bin`]: two builds side by side in one run (the
+    /// benchmark's A/B mode), without changing the process environment.
+    pub fn start_binary(
+        cluster: &Cluster,
+        node: usize,
+        binary: &Path,
+        filter: &str,
+        extra: &[&str],
+    ) -> Self {
+        let z = Self::spawn(cluster, node, binary, filter, extra, &[]);
+        z.wait_for_log("ztunnel ready", Duration::from_secs(20));
+        z
     }
 
     /// [`Self::start`] with extra environment variables (e.g. a `PATH`
@@ -139,7 +161,7 @@ impl Ztunnel {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
-        let z = Self::spawn(cluster, node, filter, extra, env);
+        let z = Self::spawn(cluster, node, &ztunnel_bin(), filter, extra, env);
         z.wait_for_log("ztunnel ready", Duration::from_secs(20));
         z
     }
@@ -147,12 +169,13 @@ impl Ztunnel {
     /// Starts ztunnel without waiting until it is ready (for tests of what
     /// it does before).
     pub fn start_unready(cluster: &Cluster, node: usize, extra: &[&str]) -> Self {
-        Self::spawn(cluster, node, TEST_LOG, extra, &[])
+        Self::spawn(cluster, node, &ztunnel_bin(), TEST_LOG, extra, &[])
     }
 
     fn spawn(
         cluster: &Cluster,
         node: usize,
+        binary: &Path,
         filter: &str,
         extra: &[&str],
         env: &[(&str, &str)],
@@ -170,10 +193,13 @@ impl Ztunnel {
             .append(true)
             .open(&paths.log)
             .expect("open ztunnel log");
-        let mut cmd = command_in(&node_ref.netns().path(), &cgroup.procs(), &ztunnel_bin());
+        let mut cmd = command_in(&node_ref.netns().path(), &cgroup.procs(), binary);
+        if filter == SHIPPED_LOG {
+            cmd.env_remove("ZTUNNEL_LOG");
+        } else {
+            cmd.args(["--log", filter]);
+        }
         cmd.args([
-            "--log",
-            filter,
             "run",
             "--node-name",
             &node_ref.name,

@@ -1,9 +1,16 @@
-//! `cargo xtask bench [--quick] [--json] [--runs N]`: builds everything and
-//! runs `zt-bench` (in the tests crate, next to the harness it uses). It
-//! installs the iptables package when missing (the `mesh-iptables`
-//! scenario needs it). Load generators are built in, so nothing else is
-//! required. Every run draws `target/benchmarks.svg` from the JSON result;
-//! a full run writes `docs/benchmarks.md` and `docs/benchmarks.svg`.
+//! `cargo xtask bench [--quick] [--json] [--runs N] [--baseline REV]`:
+//! builds everything and runs `zt-bench` (in the tests crate, next to the
+//! harness it uses). It installs the iptables package when missing (the
+//! `mesh-iptables` scenario needs it). Load generators are built in, so
+//! nothing else is required. Every run draws `target/benchmarks.svg` from
+//! the JSON result; a full run writes `docs/benchmarks.md` and
+//! `docs/benchmarks.svg`.
+//!
+//! With `--baseline REV` it is an A/B run instead: REV is built in a
+//! worktree of its own ([`crate::baseline`]) and its ztunnel runs as
+//! `mesh-ebpf@baseline` next to the working tree's `mesh-ebpf`, both
+//! interleaved in every run; the result goes to `target/bench-ab.md` and
+//! `target/bench-ab.json`, never to docs/.
 
 use std::{path::Path, process::Command};
 
@@ -11,8 +18,17 @@ use anyhow::{Context as _, Result, bail};
 
 /// Options of `cargo xtask bench`.
 #[derive(clap::Args)]
+#[command(
+    after_help = "A/B: `cargo xtask bench --baseline REV [--runs N | --quick]` builds REV \
+(any commit git resolves: HEAD~1, a branch, a sha) in the worktree target/bench-baseline/<sha> with \
+its own target dir (target/bench-baseline/target), its own eBPF object and a release ztunnel, then \
+measures direct, bare-relay, mesh-ebpf with this working tree's build (\"current\") and with REV's, \
+interleaved in every run (the order reversed every other run). It prints both, current/baseline \
+per figure and each one's ratio to direct, and writes target/bench-ab.md and target/bench-ab.json; \
+docs/ is left alone."
+)]
 pub struct BenchArgs {
-    /// One short run of every scenario (smoke test, under 2 minutes).
+    /// One short run of every scenario (smoke test, about 2 minutes).
     #[arg(long)]
     pub quick: bool,
     /// Print the JSON result after the table.
@@ -23,8 +39,11 @@ pub struct BenchArgs {
     pub runs: usize,
     /// Do not measure: redraw the chart from the last result
     /// (target/benchmarks.json) into target/benchmarks.svg.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "baseline")]
     pub redraw: bool,
+    /// A/B run against this git revision (built in a worktree; see below).
+    #[arg(long, value_name = "REV")]
+    pub baseline: Option<String>,
 }
 
 /// Builds and runs the benchmark.
@@ -55,6 +74,9 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
     }
     // Release: the figures must describe the optimised proxy.
     let bench = crate::binaries::build(workspace, true)?.join("zt-bench");
+    if let Some(rev) = &args.baseline {
+        return run_ab(workspace, args, &bench, rev);
+    }
     let mut cmd = Command::new(&bench);
     cmd.arg("--runs")
         .arg(args.runs.to_string())
@@ -103,6 +125,9 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
              request/response phase, as cores per 1,000 requests/s; \"busier\" is the ztunnel that used more, \
              \"both\" the two nodes' ztunnels together.\n\
              - RSS: node a's ztunnel, idle after start-up and while the client holds the connections.\n\n\
+             - ztunnel runs as shipped: release build, no `--log` (so `info`, with the access log on).\n\
+             - bare-relay: a minimal TCP relay (`zt-relay`, no TLS) in the client's and the server's pod, the \
+             floor of a two-hop userspace proxy; its CPU figures are the two relays'.\n\n\
              The client, the servers and both ztunnels share the machine's two cores, so compare ratios within a \
              run rather than absolute figures across machines.\n\n\
              ![ratios of this run](benchmarks.svg)\n\n{table}\n",
@@ -114,9 +139,61 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The A/B run: builds the baseline, runs zt-bench with both binaries and
+/// keeps the result in target/ (docs/ describe the working tree alone).
+fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path, rev: &str) -> Result<()> {
+    let target = workspace.join("target");
+    let baseline = crate::baseline::build(workspace, rev)?;
+    let json_path = target.join("bench-ab.json");
+    let report = target.join("bench-ab.md");
+    let mut cmd = Command::new(bench);
+    cmd.arg("--runs")
+        .arg(args.runs.to_string())
+        .arg("--baseline-ztunnel")
+        .arg(&baseline.ztunnel)
+        .arg("--baseline-label")
+        .arg(&baseline.label)
+        .arg("--json-out")
+        .arg(&json_path)
+        .arg("--report")
+        .arg(&report);
+    if args.quick {
+        cmd.arg("--quick");
+    }
+    if args.json {
+        cmd.arg("--json");
+    }
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not run {}", bench.display()))?;
+    if !status.success() {
+        bail!("the A/B benchmark failed");
+    }
+    check_figures(&read_result(&json_path)?)?;
+    eprintln!(
+        "xtask: wrote {} and {}",
+        report.display(),
+        json_path.display()
+    );
+    Ok(())
+}
+
+/// Scenarios of a normal run, and what each must produce beyond the
+/// always-required figures.
+const NORMAL: [&str; 5] = [
+    "direct",
+    "bare-relay",
+    "mesh-ebpf",
+    "mesh-ebpf-nosockmap",
+    "mesh-iptables",
+];
+/// Scenarios of an A/B run (`--baseline`).
+const AB: [&str; 4] = ["direct", "bare-relay", "mesh-ebpf", "mesh-ebpf@baseline"];
+
 /// Every scenario must have produced every figure: a load generator that
 /// failed reports 0 or nothing, and a benchmark with holes must not pass
 /// (this is what makes `bench --quick` in `cargo xtask test` a real check).
+/// The relays of `bare-relay` have CPU figures but no memory ones.
 fn check_figures(result: &serde_json::Value) -> Result<()> {
     const ALWAYS: [&str; 5] = [
         "throughput_gbps",
@@ -132,20 +209,20 @@ fn check_figures(result: &serde_json::Value) -> Result<()> {
         "rss_10k_conns_mb",
     ];
     let mut missing = Vec::new();
-    for scenario in [
-        "direct",
-        "mesh-ebpf",
-        "mesh-ebpf-nosockmap",
-        "mesh-iptables",
-    ] {
+    let scenarios = if result["baseline"].is_object() {
+        &AB[..]
+    } else {
+        &NORMAL[..]
+    };
+    for scenario in scenarios {
         for placement in ["same_node", "cross_node"] {
             let figures = &result["scenarios"][scenario][placement];
-            let mesh = if scenario == "direct" {
-                &[][..]
-            } else {
-                &MESH[..]
+            let more = match *scenario {
+                "direct" => &[][..],
+                "bare-relay" => &MESH[..2],
+                _ => &MESH[..],
             };
-            for key in ALWAYS.iter().chain(mesh) {
+            for key in ALWAYS.iter().chain(more) {
                 if !figures[*key].as_f64().is_some_and(|v| v > 0.0) {
                     missing.push(format!("{scenario}/{placement}/{key}"));
                 }
@@ -193,13 +270,51 @@ mod tests {
             "cpu_per_1k_rps_one": 0.05, "rss_idle_mb": 8.0, "rss_10k_conns_mb": 90.0
         });
         let both = json!({"same_node": figures, "cross_node": figures});
-        json!({"scenarios": {"direct": both, "mesh-ebpf": both,
+        json!({"scenarios": {"direct": both, "bare-relay": both, "mesh-ebpf": both,
                              "mesh-ebpf-nosockmap": both, "mesh-iptables": both}})
     }
 
     #[test]
     fn complete_result_passes() {
         super::check_figures(&complete()).expect("complete result");
+    }
+
+    #[test]
+    fn the_relay_needs_no_memory_figures() {
+        let mut result = complete();
+        for placement in ["same_node", "cross_node"] {
+            let relay = result["scenarios"]["bare-relay"][placement]
+                .as_object_mut()
+                .expect("object");
+            relay.remove("rss_idle_mb");
+            relay.remove("rss_10k_conns_mb");
+        }
+        super::check_figures(&result).expect("the relay has no RSS figures");
+        result["scenarios"]["bare-relay"]["cross_node"]["throughput_gbps"] = json!(null);
+        let err = super::check_figures(&result).expect_err("throughput is required");
+        assert!(
+            err.to_string()
+                .contains("bare-relay/cross_node/throughput_gbps"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn an_ab_result_needs_the_baseline_not_the_other_meshes() {
+        let mut result = complete();
+        let scenarios = result["scenarios"].as_object_mut().expect("object");
+        let mesh = scenarios["mesh-ebpf"].clone();
+        scenarios.remove("mesh-iptables");
+        scenarios.remove("mesh-ebpf-nosockmap");
+        result["baseline"] = json!({"label": "abc1234"});
+        let err = super::check_figures(&result).expect_err("baseline missing");
+        assert!(
+            err.to_string()
+                .contains("mesh-ebpf@baseline/cross_node/conn_per_s"),
+            "{err}"
+        );
+        result["scenarios"]["mesh-ebpf@baseline"] = mesh;
+        super::check_figures(&result).expect("complete A/B result");
     }
 
     #[test]

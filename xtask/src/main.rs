@@ -5,12 +5,14 @@
 //! - `test`: the one test command (eBPF build, clippy, unit tests,
 //!   privileged integration tests one at a time, summary line).
 //! - `demo [--json] [--keep] [--clean]`: the main job for a new user.
-//! - `bench [--quick] [--json] [--runs N]`: the benchmark.
+//! - `bench [--quick] [--json] [--runs N] [--baseline REV]`: the benchmark,
+//!   or an A/B run of the working tree against REV.
 //! - `fuzz [--smoke] [--target NAME] [--runs N | --seconds S]`: the fuzz
 //!   targets of `ztunnel-userspace/fuzz/`.
 //! - `vm-test [--kernel 6.1|6.12|host|all] [--smoke]`: the privileged suite
 //!   on Debian's kernels in QEMU and on the host's.
 
+mod baseline;
 mod bench;
 mod binaries;
 mod chart;
@@ -53,7 +55,8 @@ enum Cmd {
     /// Build everything, then run a two-node mesh in network namespaces and
     /// show scripted flows (needs root).
     Demo(demo::DemoArgs),
-    /// Measure direct vs eBPF capture (sockmap on/off) vs iptables capture.
+    /// Measure direct vs a bare relay vs eBPF capture (sockmap on/off) vs
+    /// iptables capture; or, with --baseline REV, this build against REV's.
     Bench(bench::BenchArgs),
     /// Build the fuzz targets (installs cargo-fuzz if needed) and run each:
     /// 1M executions, or --smoke for a bounded time.

@@ -3,9 +3,16 @@
 //! medians are reported, with the direct (no mesh) baseline from the same
 //! run.
 //!
-//! Scenarios: `direct` (no ztunnel), `mesh-ebpf` (sockmap on),
-//! `mesh-ebpf-nosockmap`, `mesh-iptables` (`--capture iptables`). Each is
-//! measured same-node (client and server pods on node a) and cross-node.
+//! Scenarios ([`scenario`]): `direct` (no ztunnel), `bare-relay` (a
+//! minimal TCP relay in each pod: the floor), `mesh-ebpf` (sockmap on),
+//! `mesh-ebpf-nosockmap`, `mesh-iptables` (`--capture iptables`); ztunnel
+//! runs as shipped (no `--log`). Each is measured same-node (client and
+//! server pods on node a) and cross-node. The order is reversed every
+//! other run, so no scenario always runs first or last.
+//!
+//! A/B mode (`--baseline-ztunnel PATH`): `direct`, `bare-relay`,
+//! `mesh-ebpf` with this build and `mesh-ebpf@baseline` with the binary at
+//! PATH, interleaved the same way; the report adds their ratios.
 //! Load generators: iperf3 (bulk, 1 and 4 streams), sockperf ping-pong
 //! (half round trip of 1 KiB requests on one connection) and ab against
 //! nginx (new connection per request) when installed; otherwise the
@@ -15,19 +22,20 @@
 
 mod measure;
 mod report;
+mod scenario;
 mod tools;
 
-use std::{collections::BTreeMap, io::Write as _, net::SocketAddr, path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, io::Write as _, net::SocketAddr, path::PathBuf};
 
 use clap::Parser;
 use serde_json::{Value, json};
 use ztunnel_tests::{
     Cluster,
     flows::{self, WorkloadEntry},
-    ztunnel::Ztunnel,
 };
 
 use measure::{hold_rss, measure};
+use scenario::{Binaries, DIGEST_PORT, Dial, ECHO_PORT, Mesh, Relays, Scenario};
 use tools::Tools;
 
 #[derive(Parser)]
@@ -71,15 +79,16 @@ struct Cli {
     /// 10000, 2000 with --quick); raise it to profile that phase.
     #[arg(long)]
     rr_count: Option<usize>,
+    /// A/B mode: a second ztunnel binary (another revision's build), run
+    /// as `mesh-ebpf@baseline` next to this build's `mesh-ebpf`.
+    #[arg(long)]
+    baseline_ztunnel: Option<PathBuf>,
+    /// What to call the baseline in the report (e.g. its short commit).
+    #[arg(long, default_value = "baseline", requires = "baseline_ztunnel")]
+    baseline_label: String,
 }
 
-pub(crate) const SCENARIOS: [&str; 4] = [
-    "direct",
-    "mesh-ebpf",
-    "mesh-ebpf-nosockmap",
-    "mesh-iptables",
-];
-const METRICS: [&str; 15] = [
+pub(crate) const METRICS: [&str; 15] = [
     "throughput_gbps",
     "throughput4_gbps",
     "rr_p50_us",
@@ -147,6 +156,34 @@ fn main() {
         }
     };
     let runs = if cli.quick { 1 } else { cli.runs.max(1) };
+    let scenarios: &[Scenario] = if cli.baseline_ztunnel.is_some() {
+        &scenario::AB
+    } else {
+        &scenario::NORMAL
+    };
+    if let Some(unknown) = cli
+        .scenarios
+        .iter()
+        .find(|s| !scenarios.iter().any(|k| k.name() == s.as_str()))
+    {
+        eprintln!(
+            "zt-bench: no scenario {unknown:?} in this mode; there are: {}",
+            scenarios
+                .iter()
+                .map(|s| s.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        std::process::exit(2);
+    }
+    if let Some(path) = cli.baseline_ztunnel.as_ref().filter(|p| !p.is_file()) {
+        eprintln!(
+            "zt-bench: --baseline-ztunnel {}: no such file",
+            path.display()
+        );
+        std::process::exit(2);
+    }
+    let binaries = Binaries::new(cli.baseline_ztunnel.clone());
 
     let mut cluster = Cluster::new();
     let na = cluster.add_node("node-a");
@@ -176,13 +213,13 @@ fn main() {
         let pod = cluster.pod(name);
         servers.push(flows::server_with(
             pod,
-            SocketAddr::from((pod.ip, 8080)),
+            SocketAddr::from((pod.ip, ECHO_PORT)),
             "echo",
             true,
         ));
         servers.push(flows::server_with(
             pod,
-            SocketAddr::from((pod.ip, 9000)),
+            SocketAddr::from((pod.ip, DIGEST_PORT)),
             "digest",
             true,
         ));
@@ -193,35 +230,54 @@ fn main() {
     let mut samples: BTreeMap<String, BTreeMap<String, BTreeMap<String, Vec<f64>>>> =
         BTreeMap::new();
     for run in 1..=runs {
-        for scenario in SCENARIOS {
-            if !cli.scenarios.is_empty() && !cli.scenarios.iter().any(|s| s == scenario) {
+        for &scenario in &run_order(scenarios, run) {
+            let name = scenario.name();
+            if !cli.scenarios.is_empty() && !cli.scenarios.iter().any(|s| s == name) {
                 continue;
             }
-            say(&format!("run {run}/{runs}: {scenario} ..."));
-            let (za, zb) = start(&cluster, [na, nb], scenario, &config, &cli.ztunnel_args);
-            let rss_idle = za.as_ref().map_or(0.0, |z| z.rss_kib() as f64 / 1024.0);
+            say(&format!("run {run}/{runs}: {name} ..."));
+            let mesh = Mesh::start(
+                &cluster,
+                [na, nb],
+                scenario,
+                &binaries,
+                &config,
+                &cli.ztunnel_args,
+            );
+            let rss_idle = mesh.as_ref().map(|m| m.a.rss_kib() as f64 / 1024.0);
+            let client = cluster.pod("client");
             for (placement, target) in [("same_node", "srv-a"), ("cross_node", "srv-b")] {
                 if cli.placement.as_ref().is_some_and(|p| p != placement) {
                     continue;
                 }
-                let m = measure(&cluster, target, &p, &tools, [za.as_ref(), zb.as_ref()]);
+                let srv = cluster.pod(target);
+                // Relays per placement: the client pod's relay forwards
+                // every port to one server pod.
+                let relays = (scenario == Scenario::BareRelay).then(|| Relays::start(client, srv));
+                let (dial, pids) = match (&mesh, &relays) {
+                    (_, Some(r)) => (Dial::via_relay(client), r.pids()),
+                    (Some(m), None) => (Dial::direct(srv), m.pids()),
+                    (None, None) => (Dial::direct(srv), Vec::new()),
+                };
+                let m = measure(&cluster, target, dial, &p, &tools, &pids);
+                drop(relays);
                 let slot = samples
-                    .entry(scenario.into())
+                    .entry(name.into())
                     .or_default()
                     .entry(placement.into())
                     .or_default();
                 for (k, v) in m {
                     slot.entry(k).or_default().push(v);
                 }
-                if za.is_some() {
-                    slot.entry("rss_idle_mb".into()).or_default().push(rss_idle);
+                if let Some(rss) = rss_idle {
+                    slot.entry("rss_idle_mb".into()).or_default().push(rss);
                 }
             }
-            if let Some(z) = za.as_ref().filter(|_| p.wants("hold")) {
-                let mb = hold_rss(cluster.pod("client"), cluster.pod("srv-b"), p.hold, z);
+            if let Some(m) = mesh.as_ref().filter(|_| p.wants("hold")) {
+                let mb = hold_rss(client, cluster.pod("srv-b"), p.hold, &m.a);
                 for placement in ["same_node", "cross_node"] {
                     samples
-                        .entry(scenario.into())
+                        .entry(name.into())
                         .or_default()
                         .entry(placement.into())
                         .or_default()
@@ -230,7 +286,9 @@ fn main() {
                         .push(mb);
                 }
             }
-            stop(za, zb);
+            if let Some(m) = mesh {
+                m.stop();
+            }
         }
     }
     drop(servers);
@@ -251,12 +309,24 @@ fn main() {
         scen.insert(scenario.clone(), Value::Object(pj));
     }
     let scen = Value::Object(scen);
+    let order: Vec<&str> = scenarios.iter().map(|s| s.name()).collect();
+    let baseline = cli.baseline_ztunnel.as_ref().map(|path| {
+        json!({
+            "label": cli.baseline_label,
+            "ztunnel": path.display().to_string(),
+            "ab": report::ab(&scen),
+            "targets": report::targets(&scen, Scenario::MeshEbpfBaseline.name()),
+        })
+    });
     let result = json!({
         "runs": runs,
         "load_generators": generators,
         "quick": cli.quick,
         "hold_connections": p.hold,
-        "targets": report::targets(&scen),
+        "scenario_order": order,
+        "targets": report::targets(&scen, Scenario::MeshEbpf.name()),
+        "information": report::information(&scen),
+        "baseline": baseline,
         "scenarios": scen,
     });
     let report = report::markdown(&result);
@@ -290,6 +360,17 @@ fn median(v: &[f64]) -> f64 {
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
+/// The scenarios in the order of run `run` (from 1): as listed in odd
+/// runs, reversed in even ones, so that in an A/B run neither build always
+/// goes first and each meets the machine in both states as often.
+fn run_order(scenarios: &[Scenario], run: usize) -> Vec<Scenario> {
+    let mut order = scenarios.to_vec();
+    if run.is_multiple_of(2) {
+        order.reverse();
+    }
+    order
+}
+
 fn raise_nofile() {
     let lim = libc::rlimit {
         rlim_cur: 65536,
@@ -297,42 +378,4 @@ fn raise_nofile() {
     };
     // SAFETY: plain setrlimit with a valid struct.
     unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const lim) };
-}
-
-fn start(
-    cluster: &Cluster,
-    [na, nb]: [usize; 2],
-    scenario: &str,
-    config: &str,
-    more: &[String],
-) -> (Option<Ztunnel>, Option<Ztunnel>) {
-    let extra: Vec<&str> = match scenario {
-        "mesh-ebpf" => vec!["--sockmap", "on"],
-        "mesh-ebpf-nosockmap" => vec!["--sockmap", "off"],
-        "mesh-iptables" => vec!["--capture", "iptables"],
-        _ => return (None, None),
-    };
-    let mut args = vec![
-        "--config",
-        config,
-        "--cleanup",
-        "--drain-timeout",
-        "1",
-        "--log",
-        "warn,access=off,ztunnel::app=info,ztunnel::enrol=info",
-    ];
-    args.extend(extra);
-    args.extend(more.iter().map(String::as_str));
-    let za = Ztunnel::start(cluster, na, &args);
-    let zb = Ztunnel::start(cluster, nb, &args);
-    za.wait_for_log("pod enrolled pod=srv-a", Duration::from_secs(15));
-    za.wait_for_log("pod enrolled pod=client", Duration::from_secs(15));
-    zb.wait_for_log("pod enrolled pod=srv-b", Duration::from_secs(15));
-    (Some(za), Some(zb))
-}
-
-fn stop(za: Option<Ztunnel>, zb: Option<Ztunnel>) {
-    for mut z in [za, zb].into_iter().flatten() {
-        z.stop();
-    }
 }

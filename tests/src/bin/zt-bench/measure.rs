@@ -1,17 +1,16 @@
 //! The measurements of one scenario and placement, with the trusted tools
 //! when installed ([`crate::tools`]) or the built-in load generators
-//! (`zt-probe`), and the ztunnel CPU and memory readings.
+//! (`zt-probe`), and the proxies' CPU and memory readings (the ztunnels',
+//! or the relays' of `bare-relay`).
 
-use std::{
-    net::{IpAddr, SocketAddr},
-    time::Duration,
-};
+use std::{net::SocketAddr, time::Duration};
 
 use ztunnel_tests::{Cluster, Pod, probe_bin, process::PodProcess, ztunnel::Ztunnel};
 
 use crate::{
     Params,
-    tools::{self, RrFigures, Tools},
+    scenario::{DIGEST_PORT, Dial, ECHO_PORT},
+    tools::{self, IPERF3_PORT, NGINX_PORT, RrFigures, SOCKPERF_PORT, Tools},
 };
 
 fn probe(pod: &Pod, args: &[String], limit: Duration) -> String {
@@ -26,14 +25,14 @@ fn num(out: &str, key: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// CPU seconds used so far by each ztunnel process: the sum of every
+/// CPU seconds used so far by each proxy process: the sum of every
 /// thread's on-CPU time from `/proc/PID/task/*/schedstat` (nanoseconds;
 /// `/proc/PID/stat` counts 10 ms ticks, too coarse for a 1k/s phase).
-fn cpu_seconds(zs: &[Option<&Ztunnel>; 2]) -> Vec<f64> {
-    zs.iter()
-        .flatten()
-        .map(|z| {
-            let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", z.pid())) else {
+fn cpu_seconds(pids: &[u32]) -> Vec<f64> {
+    pids.iter()
+        .filter(|pid| **pid != 0)
+        .map(|pid| {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
                 return 0.0;
             };
             tasks
@@ -47,17 +46,17 @@ fn cpu_seconds(zs: &[Option<&Ztunnel>; 2]) -> Vec<f64> {
 }
 
 /// Runs `work` (one request/response phase) and returns its figures with
-/// the CPU the ztunnels used meanwhile, as cores per 1,000 requests/s:
-/// (both together, the busier one).
+/// the CPU the proxies (`pids`) used meanwhile, as cores per 1,000
+/// requests/s: (both together, the busier one).
 fn with_cpu(
-    zs: [Option<&Ztunnel>; 2],
+    pids: &[u32],
     work: impl FnOnce() -> Option<RrFigures>,
 ) -> (Option<RrFigures>, Option<(f64, f64)>) {
-    let cpu0 = cpu_seconds(&zs);
+    let cpu0 = cpu_seconds(pids);
     let t0 = std::time::Instant::now();
     let figures = work();
     let wall = t0.elapsed().as_secs_f64();
-    let used: Vec<f64> = cpu_seconds(&zs)
+    let used: Vec<f64> = cpu_seconds(pids)
         .iter()
         .zip(&cpu0)
         .map(|(b, a)| b - a)
@@ -86,7 +85,7 @@ fn builtin_rr(client: &Pod, args: &[String], limit: Duration) -> Option<RrFigure
 }
 
 /// Request/response at maximum rate (`rate` None) or at a fixed rate.
-fn rr(client: &Pod, srv: &Pod, p: &Params, tools: &Tools, rate: Option<u64>) -> Option<RrFigures> {
+fn rr(client: &Pod, dial: Dial, p: &Params, tools: &Tools, rate: Option<u64>) -> Option<RrFigures> {
     let limit = Duration::from_secs(p.seconds * 4 + 60);
     if let Some(sockperf) = &tools.sockperf {
         let seconds = if rate.is_some() {
@@ -94,13 +93,14 @@ fn rr(client: &Pod, srv: &Pod, p: &Params, tools: &Tools, rate: Option<u64>) -> 
         } else {
             p.seconds
         };
-        let (figures, out) = tools::sockperf(sockperf, client, IpAddr::V4(srv.ip), seconds, rate);
+        let (figures, out) =
+            tools::sockperf(sockperf, client, dial.addr(SOCKPERF_PORT), seconds, rate);
         if figures.is_none() {
             eprintln!("zt-bench: sockperf gave no figures; its output:\n{out}");
         }
         return figures;
     }
-    let echo = SocketAddr::from((srv.ip, 8080)).to_string();
+    let echo = dial.addr(ECHO_PORT).to_string();
     let count = match rate {
         Some(_) => p.rr_fixed_count,
         None => p.rr_count,
@@ -123,17 +123,21 @@ fn rr(client: &Pod, srv: &Pod, p: &Params, tools: &Tools, rate: Option<u64>) -> 
     builtin_rr(client, &args, limit)
 }
 
+/// Every measurement of one placement: the load generators run in the
+/// client's pod and dial `dial` for the servers in `target`'s pod; the CPU
+/// figures are those of the proxy processes `pids` (none: no CPU figures).
 pub fn measure(
     cluster: &Cluster,
     target: &str,
+    dial: Dial,
     p: &Params,
     tools: &Tools,
-    zs: [Option<&Ztunnel>; 2],
+    pids: &[u32],
 ) -> Vec<(String, f64)> {
     let client = cluster.pod("client");
     let srv = cluster.pod(target);
-    let echo = SocketAddr::from((srv.ip, 8080)).to_string();
-    let sink = SocketAddr::from((srv.ip, 9000)).to_string();
+    let echo = dial.addr(ECHO_PORT).to_string();
+    let sink = dial.addr(DIGEST_PORT).to_string();
     let secs = p.seconds.to_string();
     let limit = Duration::from_secs(p.seconds * 4 + 60);
     let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<String>>();
@@ -141,7 +145,14 @@ pub fn measure(
     if p.wants("bulk") {
         for (metric, streams) in [("throughput_gbps", 1), ("throughput4_gbps", 4)] {
             let gbps = if let Some(iperf3) = &tools.iperf3 {
-                tools::iperf3(iperf3, client, srv, p.seconds, streams)
+                tools::iperf3(
+                    iperf3,
+                    client,
+                    srv,
+                    dial.addr(IPERF3_PORT),
+                    p.seconds,
+                    streams,
+                )
             } else {
                 let streams = streams.to_string();
                 let args = s(&[
@@ -175,7 +186,7 @@ pub fn measure(
         if !p.wants(wanted) {
             continue;
         }
-        let (figures, cpu) = with_cpu(zs, || rr(client, srv, p, tools, rate));
+        let (figures, cpu) = with_cpu(pids, || rr(client, dial, p, tools, rate));
         let f = figures.unwrap_or(RrFigures {
             p50_us: 0.0,
             p99_us: 0.0,
@@ -192,7 +203,7 @@ pub fn measure(
     }
     if p.wants("connrate") {
         let per_s = if let Some((ab, _)) = &tools.ab_nginx {
-            tools::ab(ab, client, IpAddr::V4(srv.ip), p.ab_requests)
+            tools::ab(ab, client, dial.addr(NGINX_PORT), p.ab_requests)
         } else {
             let args = s(&[
                 "connrate",
@@ -216,7 +227,7 @@ pub fn hold_rss(client: &Pod, srv: &Pod, n: usize, z: &Ztunnel) -> f64 {
     cmd.args([
         "hold",
         "--connect",
-        &SocketAddr::from((srv.ip, 8080)).to_string(),
+        &SocketAddr::from((srv.ip, ECHO_PORT)).to_string(),
         "--count",
         &n.to_string(),
         "--seconds",

@@ -9,7 +9,7 @@
 //! instead of stopping it midway.
 
 use std::{
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -143,7 +143,8 @@ fn run(pod: &Pod, program: &Path, args: &[String], limit: Duration) -> Option<St
 }
 
 /// One iperf3 measurement: a fresh one-off server (`-s -1`) in `server`
-/// and a client in `client`; Gbit/s received over `seconds`. A stale
+/// and a client in `client` dialling `dial` (the server's port, or a relay
+/// in front of it); Gbit/s received over `seconds`. A stale
 /// long-lived iperf3 server can wedge a later test (seen once in a
 /// 16-minute run), so every attempt starts its own, and a failed attempt
 /// is retried once.
@@ -151,6 +152,7 @@ pub fn iperf3(
     iperf3: &Path,
     client: &Pod,
     server: &Pod,
+    dial: SocketAddr,
     seconds: u64,
     streams: usize,
 ) -> Option<f64> {
@@ -163,9 +165,9 @@ pub fn iperf3(
         std::thread::sleep(Duration::from_millis(200));
         let args: Vec<String> = [
             "-c",
-            &ip,
+            &dial.ip().to_string(),
             "-p",
-            &port,
+            &dial.port().to_string(),
             "-t",
             &seconds.to_string(),
             "-P",
@@ -204,13 +206,14 @@ pub struct RrFigures {
     pub rps: f64,
 }
 
-/// `sockperf ping-pong` with 1 KiB messages for `seconds`, at maximum rate
-/// or `rate` messages per second. Returns the figures and sockperf's whole
+/// `sockperf ping-pong` to `dial` (the sockperf server's port or a relay
+/// in front of it) with 1 KiB messages for `seconds`, at maximum rate or
+/// `rate` messages per second. Returns the figures and sockperf's whole
 /// output (for the log when parsing fails).
 pub fn sockperf(
     sockperf: &Path,
     client: &Pod,
-    server: IpAddr,
+    dial: SocketAddr,
     seconds: u64,
     rate: Option<u64>,
 ) -> (Option<RrFigures>, String) {
@@ -218,9 +221,9 @@ pub fn sockperf(
         "ping-pong",
         "--tcp",
         "-i",
-        &server.to_string(),
+        &dial.ip().to_string(),
         "-p",
-        &SOCKPERF_PORT.to_string(),
+        &dial.port().to_string(),
         "-m",
         "1024",
         "-t",
@@ -275,13 +278,12 @@ fn parse_sockperf(out: &str) -> Option<RrFigures> {
     })
 }
 
-/// `ab -n requests -c 4` for `/1b` on nginx: new connections (HTTP/1.0,
-/// one request each) per second; `None` when any request failed.
-pub fn ab(ab: &Path, client: &Pod, server: IpAddr, requests: usize) -> Option<f64> {
-    let url = match server {
-        IpAddr::V4(v4) => format!("http://{v4}:{NGINX_PORT}/1b"),
-        IpAddr::V6(v6) => format!("http://[{v6}]:{NGINX_PORT}/1b"),
-    };
+/// `ab -n requests -c 4` for `/1b` on nginx at `dial` (nginx's port or a
+/// relay in front of it): new connections (HTTP/1.0, one request each) per
+/// second; `None` when any request failed.
+pub fn ab(ab: &Path, client: &Pod, dial: SocketAddr, requests: usize) -> Option<f64> {
+    // SocketAddr's Display brackets an IPv6 address, as a URL needs.
+    let url = format!("http://{dial}/1b");
     let args = vec![
         "-q".to_owned(),
         "-n".to_owned(),
