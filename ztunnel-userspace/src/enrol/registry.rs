@@ -354,8 +354,8 @@ impl PodRegistry {
         // connection: a local CA signs it here (readiness promises it
         // exists); Istio's CA is asked in the background.
         self.shared.certs.prefetch(&req.identity);
-        // The socket factory's thread and the listeners end when dropped.
-        let sockets = SocketFactory::start(&req.netns, self.legs.clone()).map_err(io)?;
+        // The listeners close when dropped.
+        let sockets = SocketFactory::new(&req.netns, self.legs.clone()).map_err(io)?;
         let listeners = listeners::open(&req.netns).map_err(|e| EnrolError::Listen {
             uid: uid.clone(),
             source: Box::new(e),

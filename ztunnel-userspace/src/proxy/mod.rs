@@ -2,8 +2,9 @@
 //! to each accepted connection.
 //!
 //! - [`listeners`]: opens 15001/15006/15008 inside a pod's namespace.
-//! - [`socket_factory`]: a thread per pod that creates ztunnel's marked
-//!   sockets inside that pod (sockets keep the namespace they are born in).
+//! - [`socket_factory`]: creates ztunnel's marked sockets inside a pod (the
+//!   worker enters the pod's namespace for the `socket()` call alone;
+//!   sockets keep the namespace they are born in).
 //! - [`outbound`]: 15001, recovers the original destination from the kernel
 //!   and carries the connection (passthrough TCP for now; HBONE next).
 //! - [`inbound`]: 15006, the accepted socket's local address is the
@@ -136,9 +137,6 @@ pub enum ProxyError {
         /// Why.
         source: std::io::Error,
     },
-    /// The pod's socket factory is gone (pod being removed).
-    #[error("the pod's socket factory is gone")]
-    FactoryGone,
     /// I/O while copying.
     #[error("copying: {0}")]
     Io(#[from] std::io::Error),
