@@ -398,4 +398,14 @@ mod tests {
         assert!(close(super::round(1.234_56), 1.235));
         assert!(close(super::round(0.0), 0.0));
     }
+
+    #[test]
+    fn every_other_run_goes_in_reverse() {
+        use crate::scenario::{AB, Scenario};
+        assert_eq!(super::run_order(&AB, 1), AB.to_vec());
+        let second = super::run_order(&AB, 2);
+        assert_eq!(second.first(), Some(&Scenario::MeshEbpfBaseline));
+        assert_eq!(second.last(), Some(&Scenario::Direct));
+        assert_eq!(super::run_order(&AB, 3), AB.to_vec());
+    }
 }
