@@ -122,7 +122,7 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
         },
         Metrics::new(),
     );
-    let sockets = SocketFactory::start(&PodNetns::open(&a1.netns_path()).expect("netns"), None)
+    let sockets = SocketFactory::new(&PodNetns::open(&a1.netns_path()).expect("netns"), None)
         .expect("factory");
     let key = PoolKey {
         src_ip: a1.ip.into(),

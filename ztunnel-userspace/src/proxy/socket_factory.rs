@@ -74,12 +74,11 @@ impl SocketFactory {
     /// with `source`, transparent and bound to that (foreign) address.
     pub fn socket(&self, v6: bool, source: Option<std::net::IpAddr>) -> std::io::Result<TcpStream> {
         HOME.with(|home| {
-            let home = match home.get() {
-                Some(fd) => fd,
-                None => {
-                    let fd: OwnedFd = std::fs::File::open("/proc/thread-self/ns/net")?.into();
-                    home.get_or_init(|| fd)
-                }
+            let home = if let Some(fd) = home.get() {
+                fd
+            } else {
+                let fd: OwnedFd = std::fs::File::open("/proc/thread-self/ns/net")?.into();
+                home.get_or_init(|| fd)
             };
             setns(self.netns.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| {
                 std::io::Error::other(format!(
