@@ -88,15 +88,7 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
         cmd.arg("--report")
             .arg(workspace.join("target").join("benchmarks-table.md"));
     }
-    if args.json {
-        cmd.arg("--json");
-    }
-    let status = cmd
-        .status()
-        .with_context(|| format!("could not run {}", bench.display()))?;
-    if !status.success() {
-        bail!("the benchmark failed");
-    }
+    run_bench(&mut cmd, args.json, "the benchmark")?;
     let result = read_result(&json_path)?;
     check_figures(&result)?;
     let svg = if args.quick {
@@ -160,15 +152,7 @@ fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path, rev: &str) -> Result
     if args.quick {
         cmd.arg("--quick");
     }
-    if args.json {
-        cmd.arg("--json");
-    }
-    let status = cmd
-        .status()
-        .with_context(|| format!("could not run {}", bench.display()))?;
-    if !status.success() {
-        bail!("the A/B benchmark failed");
-    }
+    run_bench(&mut cmd, args.json, "the A/B benchmark")?;
     check_figures(&read_result(&json_path)?)?;
     eprintln!(
         "xtask: wrote {} and {}",
@@ -237,6 +221,20 @@ fn check_figures(result: &serde_json::Value) -> Result<()> {
             missing.join(", ")
         )
     }
+}
+
+/// Runs zt-bench (`--json` when asked); `what` names it in the error.
+fn run_bench(cmd: &mut Command, json: bool, what: &str) -> Result<()> {
+    if json {
+        cmd.arg("--json");
+    }
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not run {}", cmd.get_program().to_string_lossy()))?;
+    if !status.success() {
+        bail!("{what} failed");
+    }
+    Ok(())
 }
 
 fn read_result(path: &Path) -> Result<serde_json::Value> {
