@@ -1,4 +1,5 @@
-//! `cargo xtask bench [--quick] [--json] [--runs N] [--baseline REV]`:
+//! `cargo xtask bench [--quick] [--json] [--runs N] [--baseline REV]
+//! [--baseline-arg ARG]...`:
 //! builds everything and runs `zt-bench` (in the tests crate, next to the
 //! harness it uses). It installs the iptables package when missing (the
 //! `mesh-iptables` scenario needs it). Load generators are built in, so
@@ -10,7 +11,9 @@
 //! worktree of its own ([`crate::baseline`]) and its ztunnel runs as
 //! `mesh-ebpf@baseline` next to the working tree's `mesh-ebpf`, both
 //! interleaved in every run; the result goes to `target/bench-ab.md` and
-//! `target/bench-ab.json`, never to docs/.
+//! `target/bench-ab.json`, never to docs/. `--baseline-arg` adds arguments
+//! to the baseline's ztunnels alone; without `--baseline` the baseline is
+//! this build's own binary, so the run compares a setting.
 
 use std::{path::Path, process::Command};
 
@@ -25,7 +28,9 @@ its own target dir (target/bench-baseline/target), its own eBPF object and a rel
 measures direct, bare-relay, mesh-ebpf with this working tree's build (\"current\") and with REV's, \
 interleaved in every run (the order reversed every other run). It prints both, current/baseline \
 per figure and each one's ratio to direct, and writes target/bench-ab.md and target/bench-ab.json; \
-docs/ is left alone."
+docs/ is left alone. A/B of a setting: `cargo xtask bench --baseline-arg=--worker-threads=1` runs this \
+build's ztunnel twice, the baseline with the extra arguments (repeatable; with --baseline REV they go \
+to REV's ztunnel)."
 )]
 pub struct BenchArgs {
     /// One short run of every scenario (smoke test, about 2 minutes).
@@ -44,6 +49,15 @@ pub struct BenchArgs {
     /// A/B run against this git revision (built in a worktree; see below).
     #[arg(long, value_name = "REV")]
     pub baseline: Option<String>,
+    /// Extra ztunnel argument for the baseline alone (repeatable); without
+    /// --baseline the baseline is this build with these arguments.
+    #[arg(
+        long = "baseline-arg",
+        value_name = "ARG",
+        allow_hyphen_values = true,
+        conflicts_with = "redraw"
+    )]
+    pub baseline_args: Vec<String>,
 }
 
 /// Builds and runs the benchmark.
@@ -74,8 +88,8 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
     }
     // Release: the figures must describe the optimised proxy.
     let bench = crate::binaries::build(workspace, true)?.join("zt-bench");
-    if let Some(rev) = &args.baseline {
-        return run_ab(workspace, args, &bench, rev);
+    if args.baseline.is_some() || !args.baseline_args.is_empty() {
+        return run_ab(workspace, args, &bench);
     }
     let mut cmd = Command::new(&bench);
     cmd.arg("--runs")
@@ -133,9 +147,16 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
 
 /// The A/B run: builds the baseline, runs zt-bench with both binaries and
 /// keeps the result in target/ (docs/ describe the working tree alone).
-fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path, rev: &str) -> Result<()> {
+fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path) -> Result<()> {
     let target = workspace.join("target");
-    let baseline = crate::baseline::build(workspace, rev)?;
+    let baseline = match &args.baseline {
+        Some(rev) => crate::baseline::build(workspace, rev)?,
+        // A setting's A/B: this build twice, the baseline with its args.
+        None => crate::baseline::Baseline {
+            ztunnel: bench.with_file_name("ztunnel"),
+            label: args.baseline_args.join(" "),
+        },
+    };
     let json_path = target.join("bench-ab.json");
     let report = target.join("bench-ab.md");
     let mut cmd = Command::new(bench);
@@ -151,6 +172,9 @@ fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path, rev: &str) -> Result
         .arg(&report);
     if args.quick {
         cmd.arg("--quick");
+    }
+    for arg in &args.baseline_args {
+        cmd.arg(format!("--baseline-arg={arg}"));
     }
     run_bench(&mut cmd, args.json, "the A/B benchmark")?;
     check_figures(&read_result(&json_path)?)?;

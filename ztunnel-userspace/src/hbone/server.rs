@@ -32,7 +32,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument as _;
 
-use super::{CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW};
+use super::{
+    CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW, read_ahead::ReadAhead,
+};
 use crate::{
     accept::{AcceptLoop, ListenerKind},
     identity::{Identity, identity_of},
@@ -153,7 +155,7 @@ async fn connection(
         timeouts.tls_handshake,
         peer,
         metrics,
-        acceptor.accept(tcp),
+        acceptor.accept(ReadAhead::new(tcp)),
     )
     .await
     {

@@ -12,7 +12,8 @@
 //!
 //! A/B mode (`--baseline-ztunnel PATH`): `direct`, `bare-relay`,
 //! `mesh-ebpf` with this build and `mesh-ebpf@baseline` with the binary at
-//! PATH, interleaved the same way; the report adds their ratios.
+//! PATH (and `--baseline-arg`s), interleaved the same way; the report adds
+//! their ratios.
 //! Load generators: iperf3 (bulk, 1 and 4 streams), sockperf ping-pong
 //! (half round trip of 1 KiB requests on one connection) and ab against
 //! nginx (new connection per request) when installed; otherwise the
@@ -86,6 +87,16 @@ struct Cli {
     /// What to call the baseline in the report (e.g. its short commit).
     #[arg(long, default_value = "baseline", requires = "baseline_ztunnel")]
     baseline_label: String,
+    /// Extra arguments for the baseline's ztunnels alone (repeatable). With
+    /// this build's own binary as the baseline it is an A/B of a setting:
+    /// `--baseline-ztunnel target/release/ztunnel
+    /// --baseline-arg=--worker-threads=1`.
+    #[arg(
+        long = "baseline-arg",
+        allow_hyphen_values = true,
+        requires = "baseline_ztunnel"
+    )]
+    baseline_args: Vec<String>,
 }
 
 pub(crate) const METRICS: [&str; 15] = [
@@ -183,7 +194,7 @@ fn main() {
         );
         std::process::exit(2);
     }
-    let binaries = Binaries::new(cli.baseline_ztunnel.clone());
+    let binaries = Binaries::new(cli.baseline_ztunnel.clone(), cli.baseline_args.clone());
 
     let mut cluster = Cluster::new();
     let na = cluster.add_node("node-a");
@@ -314,6 +325,7 @@ fn main() {
         json!({
             "label": cli.baseline_label,
             "ztunnel": path.display().to_string(),
+            "args": cli.baseline_args,
             "ab": report::ab(&scen),
             "targets": report::targets(&scen, Scenario::MeshEbpfBaseline.name()),
         })

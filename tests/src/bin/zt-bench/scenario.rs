@@ -110,13 +110,17 @@ impl Scenario {
 pub struct Binaries {
     pub current: PathBuf,
     pub baseline: Option<PathBuf>,
+    /// Extra arguments of the baseline's ztunnels alone: with the current
+    /// binary as the baseline, an A/B of a setting.
+    pub baseline_args: Vec<String>,
 }
 
 impl Binaries {
-    pub fn new(baseline: Option<PathBuf>) -> Self {
+    pub fn new(baseline: Option<PathBuf>, baseline_args: Vec<String>) -> Self {
         Self {
             current: ztunnel_bin(),
             baseline,
+            baseline_args,
         }
     }
 }
@@ -140,17 +144,20 @@ impl Mesh {
         more: &[String],
     ) -> Option<Self> {
         let own = scenario.ztunnel_args()?;
-        let binary: &Path = if scenario == Scenario::MeshEbpfBaseline {
-            binaries
-                .baseline
-                .as_deref()
-                .expect("the baseline scenario runs only with --baseline-ztunnel")
+        let (binary, own_more): (&Path, &[String]) = if scenario == Scenario::MeshEbpfBaseline {
+            (
+                binaries
+                    .baseline
+                    .as_deref()
+                    .expect("the baseline scenario runs only with --baseline-ztunnel"),
+                &binaries.baseline_args,
+            )
         } else {
-            &binaries.current
+            (&binaries.current, &[])
         };
         let mut args = vec!["--config", config, "--cleanup", "--drain-timeout", "1"];
         args.extend(own);
-        args.extend(more.iter().map(String::as_str));
+        args.extend(more.iter().chain(own_more).map(String::as_str));
         let a = Ztunnel::start_binary(cluster, na, binary, SHIPPED_LOG, &args);
         let b = Ztunnel::start_binary(cluster, nb, binary, SHIPPED_LOG, &args);
         a.wait_for_log("pod enrolled pod=srv-a", Duration::from_secs(15));
