@@ -192,7 +192,7 @@ const NORMAL: [&str; 5] = [
     "direct",
     "bare-relay",
     "mesh-ebpf",
-    "mesh-ebpf-nosockmap",
+    "mesh-ebpf-sockmap",
     "mesh-iptables",
 ];
 /// Scenarios of an A/B run (`--baseline`).
@@ -293,7 +293,7 @@ mod tests {
         });
         let both = json!({"same_node": figures, "cross_node": figures});
         json!({"scenarios": {"direct": both, "bare-relay": both, "mesh-ebpf": both,
-                             "mesh-ebpf-nosockmap": both, "mesh-iptables": both}})
+                             "mesh-ebpf-sockmap": both, "mesh-iptables": both}})
     }
 
     #[test]
@@ -327,7 +327,7 @@ mod tests {
         let scenarios = result["scenarios"].as_object_mut().expect("object");
         let mesh = scenarios["mesh-ebpf"].clone();
         scenarios.remove("mesh-iptables");
-        scenarios.remove("mesh-ebpf-nosockmap");
+        scenarios.remove("mesh-ebpf-sockmap");
         result["baseline"] = json!({"label": "abc1234"});
         let err = super::check_figures(&result).expect_err("baseline missing");
         assert!(

@@ -55,7 +55,7 @@ enum Cmd {
     /// Build everything, then run a two-node mesh in network namespaces and
     /// show scripted flows (needs root).
     Demo(demo::DemoArgs),
-    /// Measure direct vs a bare relay vs eBPF capture (sockmap on/off) vs
+    /// Measure direct vs a bare relay vs eBPF capture (defaults, and --sockmap on) vs
     /// iptables capture; or, with --baseline REV, this build against REV's.
     Bench(bench::BenchArgs),
     /// Build the fuzz targets (installs cargo-fuzz if needed) and run each:

@@ -12,7 +12,6 @@
 //!   client's end of stream, so that no unread frame turns it into a reset.
 //! - [`copy`]: moves bytes between a TCP socket and an HTTP/2 stream with
 //!   back-pressure both ways and half-close.
-//! - [`read_ahead`]: one 64 KiB socket read feeds rustls's 4 KiB reads.
 //!
 //! HTTP/2 settings (Istio's values, so either side can be the peer, and
 //! sized for bulk transfer): stream window 4 MiB, connection window 16 MiB,
@@ -23,7 +22,6 @@
 pub mod copy;
 mod linger;
 pub mod pool;
-pub mod read_ahead;
 pub mod server;
 
 use std::time::Duration;

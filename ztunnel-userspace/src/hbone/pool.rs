@@ -20,7 +20,7 @@ use ztunnel_common::INBOUND_HBONE_PORT;
 
 use super::{
     CLIENT_MAX_STREAMS, CONNECTION_WINDOW, HboneError, MAX_FRAME, PING_INTERVAL, PING_TIMEOUT,
-    SPARE_IDLE_TIMEOUT, STREAM_WINDOW, read_ahead::ReadAhead,
+    SPARE_IDLE_TIMEOUT, STREAM_WINDOW,
 };
 use crate::{
     identity::{CertManager, Identity},
@@ -586,8 +586,8 @@ impl HbonePool {
         .map_err(|e| HboneError::Proxy(Box::new(e)))?;
         let config =
             crate::tls::client_config(&self.certs, &key.src, vec![key.dst_identity.clone()])?;
-        let handshake = TlsConnector::from(config)
-            .connect(ServerName::IpAddress(peer.ip().into()), ReadAhead::new(tcp));
+        let handshake =
+            TlsConnector::from(config).connect(ServerName::IpAddress(peer.ip().into()), tcp);
         let count = |outcome| metrics.handshake(HandshakeSide::Client, outcome);
         let tls = match within(
             Phase::TlsHandshake,
@@ -657,7 +657,7 @@ impl HbonePool {
 /// unanswered, or on error. Then it takes itself out of the pool.
 async fn drive(
     mut connection: h2::client::Connection<
-        tokio_rustls::client::TlsStream<ReadAhead<tokio::net::TcpStream>>,
+        tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
         Bytes,
     >,
     pooled: Arc<PooledConn>,

@@ -32,9 +32,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument as _;
 
-use super::{
-    CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW, read_ahead::ReadAhead,
-};
+use super::{CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW};
 use crate::{
     accept::{AcceptLoop, ListenerKind},
     identity::{Identity, identity_of},
@@ -155,7 +153,7 @@ async fn connection(
         timeouts.tls_handshake,
         peer,
         metrics,
-        acceptor.accept(ReadAhead::new(tcp)),
+        acceptor.accept(tcp),
     )
     .await
     {

@@ -4,8 +4,9 @@
 //! run.
 //!
 //! Scenarios ([`scenario`]): `direct` (no ztunnel), `bare-relay` (a
-//! minimal TCP relay in each pod: the floor), `mesh-ebpf` (sockmap on),
-//! `mesh-ebpf-nosockmap`, `mesh-iptables` (`--capture iptables`); ztunnel
+//! minimal TCP relay in each pod: the floor), `mesh-ebpf` (the defaults:
+//! sockmap off), `mesh-ebpf-sockmap` (the opt-in `--sockmap on`),
+//! `mesh-iptables` (`--capture iptables`); ztunnel
 //! runs as shipped (no `--log`). Each is measured same-node (client and
 //! server pods on node a) and cross-node. The order is reversed every
 //! other run, so no scenario always runs first or last.
@@ -99,7 +100,7 @@ struct Cli {
     baseline_args: Vec<String>,
 }
 
-pub(crate) const METRICS: [&str; 15] = [
+pub(crate) const METRICS: [&str; 16] = [
     "throughput_gbps",
     "throughput4_gbps",
     "rr_p50_us",
@@ -114,6 +115,7 @@ pub(crate) const METRICS: [&str; 15] = [
     "cpu_per_1k_rps_max_rate",
     "cpu_per_1k_rps_max_rate_one",
     "rss_idle_mb",
+    "rss_idle_anon_mb",
     "rss_10k_conns_mb",
 ];
 
@@ -255,7 +257,13 @@ fn main() {
                 &config,
                 &cli.ztunnel_args,
             );
-            let rss_idle = mesh.as_ref().map(|m| m.a.rss_kib() as f64 / 1024.0);
+            // All resident pages, and the process's own (heap and stacks,
+            // without the binary's and libraries' pages, which are page
+            // cache shared with every other process mapping them).
+            let rss_idle = mesh.as_ref().map(|m| {
+                let mib = |kib: u64| kib as f64 / 1024.0;
+                (mib(m.a.rss_kib()), mib(m.a.anon_kib()))
+            });
             let client = cluster.pod("client");
             for (placement, target) in [("same_node", "srv-a"), ("cross_node", "srv-b")] {
                 if cli.placement.as_ref().is_some_and(|p| p != placement) {
@@ -280,8 +288,11 @@ fn main() {
                 for (k, v) in m {
                     slot.entry(k).or_default().push(v);
                 }
-                if let Some(rss) = rss_idle {
+                if let Some((rss, anon)) = rss_idle {
                     slot.entry("rss_idle_mb".into()).or_default().push(rss);
+                    slot.entry("rss_idle_anon_mb".into())
+                        .or_default()
+                        .push(anon);
                 }
             }
             if let Some(m) = mesh.as_ref().filter(|_| p.wants("hold")) {

@@ -232,13 +232,14 @@ fn header(metric: &str, hold: u64) -> String {
         "cpu_per_1k_rps_max_rate" => "CPU per 1k rps at max rate, both".into(),
         "cpu_per_1k_rps_max_rate_one" => "CPU per 1k rps at max rate, busier".into(),
         "rss_idle_mb" => "RSS idle MiB".into(),
+        "rss_idle_anon_mb" => "RSS idle, own (anon) MiB".into(),
         "rss_10k_conns_mb" => format!("RSS with {hold} conns MiB"),
         other => other.into(),
     }
 }
 
 /// The order of the table's columns (the headline figures first).
-const COLUMNS: [&str; 15] = [
+const COLUMNS: [&str; 16] = [
     "throughput_gbps",
     "throughput4_gbps",
     "rr_p50_us",
@@ -253,6 +254,7 @@ const COLUMNS: [&str; 15] = [
     "cpu_per_1k_rps_max_rate",
     "cpu_per_1k_rps_max_rate_one",
     "rss_idle_mb",
+    "rss_idle_anon_mb",
     "rss_10k_conns_mb",
 ];
 

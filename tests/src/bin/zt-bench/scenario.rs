@@ -57,7 +57,7 @@ pub enum Scenario {
     Direct,
     BareRelay,
     MeshEbpf,
-    MeshEbpfNoSockmap,
+    MeshEbpfSockmap,
     MeshIptables,
     /// `mesh-ebpf` run with the baseline binary of an A/B run.
     MeshEbpfBaseline,
@@ -68,7 +68,7 @@ pub const NORMAL: [Scenario; 5] = [
     Scenario::Direct,
     Scenario::BareRelay,
     Scenario::MeshEbpf,
-    Scenario::MeshEbpfNoSockmap,
+    Scenario::MeshEbpfSockmap,
     Scenario::MeshIptables,
 ];
 
@@ -87,7 +87,7 @@ impl Scenario {
             Self::Direct => "direct",
             Self::BareRelay => "bare-relay",
             Self::MeshEbpf => "mesh-ebpf",
-            Self::MeshEbpfNoSockmap => "mesh-ebpf-nosockmap",
+            Self::MeshEbpfSockmap => "mesh-ebpf-sockmap",
             Self::MeshIptables => "mesh-iptables",
             Self::MeshEbpfBaseline => "mesh-ebpf@baseline",
         }
@@ -98,8 +98,9 @@ impl Scenario {
     fn ztunnel_args(self) -> Option<&'static [&'static str]> {
         match self {
             Self::Direct | Self::BareRelay => None,
-            Self::MeshEbpf | Self::MeshEbpfBaseline => Some(&["--sockmap", "on"]),
-            Self::MeshEbpfNoSockmap => Some(&["--sockmap", "off"]),
+            // As shipped: the defaults (sockmap off).
+            Self::MeshEbpf | Self::MeshEbpfBaseline => Some(&[]),
+            Self::MeshEbpfSockmap => Some(&["--sockmap", "on"]),
             Self::MeshIptables => Some(&["--capture", "iptables"]),
         }
     }
