@@ -164,8 +164,9 @@ fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path) -> Result<()> {
         .arg(args.runs.to_string())
         .arg("--baseline-ztunnel")
         .arg(&baseline.ztunnel)
-        .arg("--baseline-label")
-        .arg(&baseline.label)
+        // One token: a setting's label such as `--worker-threads=1` would
+        // otherwise be read as a flag.
+        .arg(format!("--baseline-label={}", baseline.label))
         .arg("--json-out")
         .arg(&json_path)
         .arg("--report")
