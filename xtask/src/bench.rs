@@ -15,7 +15,7 @@
 //! to the baseline's ztunnels alone; without `--baseline` the baseline is
 //! this build's own binary, so the run compares a setting.
 
-use std::{path::Path, process::Command};
+use std::{ffi::OsString, path::Path, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 
@@ -160,23 +160,7 @@ fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path) -> Result<()> {
     let json_path = target.join("bench-ab.json");
     let report = target.join("bench-ab.md");
     let mut cmd = Command::new(bench);
-    cmd.arg("--runs")
-        .arg(args.runs.to_string())
-        .arg("--baseline-ztunnel")
-        .arg(&baseline.ztunnel)
-        // One token: a setting's label such as `--worker-threads=1` would
-        // otherwise be read as a flag.
-        .arg(format!("--baseline-label={}", baseline.label))
-        .arg("--json-out")
-        .arg(&json_path)
-        .arg("--report")
-        .arg(&report);
-    if args.quick {
-        cmd.arg("--quick");
-    }
-    for arg in &args.baseline_args {
-        cmd.arg(format!("--baseline-arg={arg}"));
-    }
+    cmd.args(ab_args(args, &baseline, &json_path, &report));
     run_bench(&mut cmd, args.json, "the A/B benchmark")?;
     check_figures(&read_result(&json_path)?)?;
     eprintln!(
@@ -185,6 +169,38 @@ fn run_ab(workspace: &Path, args: &BenchArgs, bench: &Path) -> Result<()> {
         json_path.display()
     );
     Ok(())
+}
+
+/// zt-bench's arguments for an A/B run.
+fn ab_args(
+    args: &BenchArgs,
+    baseline: &crate::baseline::Baseline,
+    json_path: &Path,
+    report: &Path,
+) -> Vec<OsString> {
+    let mut out: Vec<OsString> = vec![
+        "--runs".into(),
+        args.runs.to_string().into(),
+        "--baseline-ztunnel".into(),
+        baseline.ztunnel.clone().into(),
+        // One token: a setting's label such as `--worker-threads=1` would
+        // otherwise be read as a flag.
+        format!("--baseline-label={}", baseline.label).into(),
+        "--json-out".into(),
+        json_path.into(),
+        "--report".into(),
+        report.into(),
+    ];
+    if args.quick {
+        out.push("--quick".into());
+    }
+    // Likewise: each value is itself a flag of ztunnel's.
+    out.extend(
+        args.baseline_args
+            .iter()
+            .map(|arg| format!("--baseline-arg={arg}").into()),
+    );
+    out
 }
 
 /// Scenarios of a normal run, and what each must produce beyond the
@@ -284,7 +300,72 @@ fn machine() -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::path::{Path, PathBuf};
+
     use serde_json::json;
+
+    /// zt-bench's A/B options as it declares them (clap defaults: a value
+    /// that looks like a flag is refused unless it is joined with `=`).
+    fn zt_bench_parser() -> clap::Command {
+        let value = |name: &'static str| clap::Arg::new(name).long(name);
+        clap::Command::new("zt-bench")
+            .arg(value("runs"))
+            .arg(
+                clap::Arg::new("quick")
+                    .long("quick")
+                    .action(clap::ArgAction::SetTrue),
+            )
+            .arg(value("baseline-ztunnel"))
+            .arg(value("baseline-label"))
+            .arg(value("baseline-arg").action(clap::ArgAction::Append))
+            .arg(value("json-out"))
+            .arg(value("report"))
+    }
+
+    /// A setting's A/B (`--baseline-arg=--worker-threads=1`): the label and
+    /// the argument are themselves flags, and must reach zt-bench whole.
+    #[test]
+    fn ab_args_carry_flag_like_values_whole() {
+        let args = super::BenchArgs {
+            quick: true,
+            json: false,
+            runs: 3,
+            redraw: false,
+            baseline: None,
+            baseline_args: vec!["--worker-threads=1".into(), "--log=warn".into()],
+        };
+        let baseline = crate::baseline::Baseline {
+            ztunnel: PathBuf::from("/t/ztunnel"),
+            label: args.baseline_args.join(" "),
+        };
+        let tokens = super::ab_args(
+            &args,
+            &baseline,
+            Path::new("/t/ab.json"),
+            Path::new("/t/ab.md"),
+        );
+        let m = zt_bench_parser()
+            .try_get_matches_from(std::iter::once("zt-bench".into()).chain(tokens))
+            .expect("zt-bench accepts the A/B arguments");
+        let one = |id: &str| m.get_one::<String>(id).cloned();
+        assert_eq!(
+            one("baseline-label").as_deref(),
+            Some("--worker-threads=1 --log=warn")
+        );
+        assert_eq!(one("baseline-ztunnel").as_deref(), Some("/t/ztunnel"));
+        assert_eq!(one("runs").as_deref(), Some("3"));
+        let passed: Vec<&String> = m.get_many("baseline-arg").expect("baseline args").collect();
+        assert_eq!(passed, ["--worker-threads=1", "--log=warn"]);
+        assert!(m.get_flag("quick"));
+    }
+
+    /// The parser above is strict enough to catch the old bug: the label as
+    /// a separate token after its flag.
+    #[test]
+    fn split_flag_like_label_is_refused() {
+        let argv = ["zt-bench", "--baseline-label", "--worker-threads=1"];
+        assert!(zt_bench_parser().try_get_matches_from(argv).is_err());
+    }
 
     fn complete() -> serde_json::Value {
         let figures = json!({
