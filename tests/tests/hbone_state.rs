@@ -137,6 +137,7 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
         SocketAddr::from((b2.ip, 8080)),
         client,
         None,
+        None,
     ));
     match result {
         Err(HboneError::Status { status, .. }) => assert_eq!(status.as_u16(), 400),
@@ -149,6 +150,7 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
         &sockets,
         SocketAddr::from((b1.ip, 15001)),
         client,
+        None,
         None,
     ));
     match result {

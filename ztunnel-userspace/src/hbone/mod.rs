@@ -10,6 +10,8 @@
 //!   client's IP as source.
 //! - [`linger`]: a server connection's close waits (bounded) for the
 //!   client's end of stream, so that no unread frame turns it into a reset.
+//! - [`early`]: what the application writes while its `CONNECT` waits for
+//!   the peer's answer goes ahead, with a bounded copy for a refused stream.
 //! - [`copy`]: moves bytes between a TCP socket and an HTTP/2 stream with
 //!   back-pressure both ways and half-close.
 //!
@@ -20,6 +22,7 @@
 //! closed after 5 min (after 10 s when another of the same slot is idle).
 
 pub mod copy;
+pub mod early;
 mod linger;
 pub mod pool;
 pub mod server;

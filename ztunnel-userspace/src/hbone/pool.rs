@@ -14,13 +14,13 @@ use bytes::Bytes;
 use h2::{RecvStream, SendStream, client::SendRequest};
 use http::{Method, Request, StatusCode};
 use rustls::pki_types::ServerName;
-use tokio::sync::watch;
+use tokio::{net::TcpStream, sync::watch};
 use tokio_rustls::TlsConnector;
 use ztunnel_common::INBOUND_HBONE_PORT;
 
 use super::{
     CLIENT_MAX_STREAMS, CONNECTION_WINDOW, HboneError, MAX_FRAME, PING_INTERVAL, PING_TIMEOUT,
-    SPARE_IDLE_TIMEOUT, STREAM_WINDOW,
+    SPARE_IDLE_TIMEOUT, STREAM_WINDOW, early::Early,
 };
 use crate::{
     identity::{CertManager, Identity},
@@ -291,6 +291,9 @@ pub struct Tunnel {
     pub recv: RecvStream,
     /// Id of the pooled connection carrying it (for logs).
     pub connection: u64,
+    /// Bytes of the application's sent before the peer answered (see
+    /// [`super::early`]); the copy counts from there.
+    pub early: u64,
     _guard: StreamGuard,
 }
 
@@ -386,7 +389,9 @@ impl HbonePool {
     /// HBONE port, on a pooled connection for `key` (opening one if none
     /// has room). `client` goes into the `forwarded` header, and so does
     /// `service` (the hostname of the service the application addressed,
-    /// as `host=`, the way Istio's ztunnel tells the destination).
+    /// as `host=`, the way Istio's ztunnel tells the destination). What
+    /// `app` (the application's connection) writes while the peer answers
+    /// goes ahead on the stream (see [`super::early`]).
     pub async fn connect(
         &self,
         key: PoolKey,
@@ -394,6 +399,7 @@ impl HbonePool {
         target: SocketAddr,
         client: SocketAddr,
         service: Option<&str>,
+        app: Option<&TcpStream>,
     ) -> Result<Tunnel, HboneError> {
         let peer = key.dst;
         let h2_err = |source| HboneError::H2 { peer, source };
@@ -406,6 +412,7 @@ impl HbonePool {
         // seen by the application, so it is safe to send again. This is
         // what lets a draining peer (an upgrade) cost no connection.
         let mut attempt = 0;
+        let mut early = Early::default();
         let (conn, guard, stream, response) = loop {
             attempt += 1;
             let conn = self.pick(&key, sockets).await?;
@@ -424,7 +431,7 @@ impl HbonePool {
                 };
             // Until the request is out, any failure is the connection's
             // (closed, going away): the stream was never sent.
-            let (response, stream) = match sent {
+            let (response, mut stream) = match sent {
                 Ok(sent) => sent,
                 Err(e) => {
                     conn.closed.store(true, Ordering::Release);
@@ -435,8 +442,16 @@ impl HbonePool {
                     continue;
                 }
             };
-            // Dropping the response future on expiry resets the stream.
-            match within(Phase::ConnectResponse, limit, peer, &self.metrics, response).await? {
+            // A retry sends first what went ahead on the refused stream.
+            let answer = match early.replay(&mut stream) {
+                Ok(()) => {
+                    let waited = early.send_until_response(&mut stream, response, app);
+                    // Dropping the response future on expiry resets the stream.
+                    within(Phase::ConnectResponse, limit, peer, &self.metrics, waited).await?
+                }
+                Err(e) => Err(e),
+            };
+            match answer {
                 Ok(response) => break (conn, guard, stream, response),
                 Err(e) if e.is_go_away() || e.reason() == Some(h2::Reason::REFUSED_STREAM) => {
                     conn.closed.store(true, Ordering::Release);
@@ -459,6 +474,7 @@ impl HbonePool {
             send: stream,
             recv: response.into_body(),
             connection: conn.id,
+            early: early.len(),
             _guard: guard,
         })
     }

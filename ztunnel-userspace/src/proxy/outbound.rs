@@ -124,7 +124,7 @@ pub async fn handle(
     // the TLS and HTTP/2 handshakes) is a future of several KiB, which
     // would stay in the connection's task for its whole life, idle or not;
     // boxed, it is freed once the upstream is open.
-    let (upstream, record) = match Box::pin(open(dst, client_port, ctx)).await {
+    let (upstream, record) = match Box::pin(open(dst, client_port, ctx, Some(&stream))).await {
         Ok(opened) => opened,
         Err(e) => {
             // The application's connect already succeeded (to us): a reset
@@ -161,11 +161,14 @@ fn source(
 }
 
 /// Decides the route for `dst` and opens the upstream side; the returned
-/// record has counted the connection as opened.
+/// record has counted the connection as opened. Over HBONE, what `app` (the
+/// application's connection) writes meanwhile goes ahead of the peer's
+/// answer (see [`crate::hbone::early`]).
 pub async fn open(
     dst: SocketAddr,
     client_port: u16,
     ctx: &OutboundContext,
+    app: Option<&TcpStream>,
 ) -> Result<(Upstream, ConnectionRecord), ProxyError> {
     let state = ctx.shared.state.current();
     let vip_service = state.service_by_vip(dst.ip());
@@ -288,6 +291,7 @@ pub async fn open(
                     target,
                     client,
                     service_host.as_deref(),
+                    app,
                 )
                 .await?;
             tracing::info!(
@@ -343,7 +347,7 @@ pub async fn carry(
         } => relay(stream, upstream, record, Some(policy)).await,
         Upstream::Tunnel(tunnel) => match copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await {
             Ok((sent, received)) => {
-                record.close(sent, received, &Ok(()));
+                record.close(tunnel.early + sent, received, &Ok(()));
                 Ok(())
             }
             Err(e) => {

@@ -134,7 +134,7 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
     };
     tracing::Span::current().record("dst", tracing::field::display(dst));
     // Boxed for the reason given in `outbound::handle`.
-    match Box::pin(outbound::open(dst, client.port(), ctx)).await {
+    match Box::pin(outbound::open(dst, client.port(), ctx, None)).await {
         Ok((upstream, record)) => {
             reply(&mut stream, Reply::Ok).await?;
             outbound::carry(stream, upstream, record)
