@@ -32,6 +32,9 @@ use tokio::net::TcpStream;
 /// under the stream window (4 MiB, Istio's), so they never wait for it.
 pub const EARLY_LIMIT: usize = 64 * 1024;
 
+/// Reads up to this size are copied out of the read buffer before being kept.
+const SMALL_READ: usize = 4096;
+
 /// The bytes sent ahead of the response, kept to send again.
 #[derive(Debug, Default)]
 pub struct Early {
@@ -54,7 +57,10 @@ impl Early {
     }
 
     /// Sends the kept bytes again, on a new stream after a refused one.
-    pub fn replay(&self, stream: &mut SendStream<Bytes>) -> Result<(), h2::Error> {
+    pub fn replay(&mut self, stream: &mut SendStream<Bytes>) -> Result<(), h2::Error> {
+        // Reading stopped when the refused stream would take no more; the
+        // new one may. (After EOF the next read sees EOF again.)
+        self.stopped = false;
         for chunk in &self.chunks {
             // Within EARLY_LIMIT: h2 buffers what the window does not take.
             stream.send_data(chunk.clone(), false)?;
@@ -88,7 +94,14 @@ impl Early {
                     match app.try_read_buf(&mut buf) {
                         Ok(0) => self.stopped = true,
                         Ok(n) => {
-                            let chunk = buf.freeze();
+                            // A short read (a request line) keeps a copy of
+                            // its size, not the 64 KiB buffer, for as long
+                            // as the answer takes.
+                            let chunk = if n <= SMALL_READ {
+                                Bytes::copy_from_slice(&buf)
+                            } else {
+                                buf.freeze()
+                            };
                             self.len += n;
                             self.chunks.push(chunk.clone());
                             // A stream that cannot take it any more was
