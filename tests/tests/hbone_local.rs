@@ -1,16 +1,40 @@
 //! Same-node traffic (fast path on and off), SOCKS5, and certificate
 //! rotation under load.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
 
 use ztunnel_tests::{
     Cluster,
+    cgroup::TestCgroup,
     flows::{self, ClientRun, WorkloadEntry},
     require_root,
     ztunnel::Ztunnel,
 };
 
-fn same_node(fastpath: &str) {
+/// `ztunnel_spliced_bytes_total` of node `node`'s ztunnel once it holds at
+/// least `at_least` (connections add theirs when they close, just after the
+/// client has its echo back), or the last value read after a bounded wait.
+fn spliced_bytes(cluster: &Cluster, node: usize, at_least: u64) -> u64 {
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let deadline = Instant::now() + ztunnel_tests::patience(Duration::from_secs(10));
+    loop {
+        let text = Ztunnel::metrics_of(cluster, node, &cg);
+        let value = text
+            .lines()
+            .find_map(|l| l.strip_prefix("ztunnel_spliced_bytes_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        if value >= at_least || Instant::now() >= deadline {
+            return value;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn same_node(fastpath: &str, splice: &str) {
     let mut cluster = Cluster::new();
     let a = cluster.add_node("node-a");
     cluster.add_pod(a, "a1");
@@ -32,17 +56,20 @@ fn same_node(fastpath: &str) {
         &[
             "--local-fastpath",
             fastpath,
+            "--splice",
+            splice,
             "--config",
             config.to_str().expect("utf-8"),
         ],
     );
     z.wait_for_log("pod enrolled pod=a2", Duration::from_secs(10));
     z.wait_for_log("pod enrolled pod=a1", Duration::from_secs(10));
+    let bytes = ztunnel_tests::scaled(1 << 30);
     flows::assert_ok(&flows::client(
         a1,
         dst,
         &ClientRun {
-            bytes: ztunnel_tests::scaled(1 << 30),
+            bytes,
             chunk: 256 * 1024,
             io: "poll",
             limit: Duration::from_mins(3),
@@ -79,6 +106,21 @@ fn same_node(fastpath: &str) {
         fastpath == "off",
         "{handshakes} TLS handshakes with fast path {fastpath}"
     );
+    // The fast path's relay is TCP to TCP: a 256 KiB-write stream goes
+    // through the kernel (splice) except its first reads, both ways (the
+    // echo). Over HBONE, or with splicing off, nothing is spliced.
+    if fastpath == "on" && splice == "on" {
+        let spliced = spliced_bytes(&cluster, a, bytes);
+        assert!(
+            spliced >= bytes,
+            "only {spliced} of {} bytes spliced",
+            2 * bytes
+        );
+    } else {
+        // Give a wrongly spliced count time to show before reading it.
+        z.wait_for_log("bytes_sent=", Duration::from_secs(10));
+        assert_eq!(spliced_bytes(&cluster, a, 1), 0);
+    }
 }
 
 #[test]
@@ -86,7 +128,15 @@ fn same_node_fast_path_on_skips_tls_but_keeps_identities() {
     if !require_root("same_node_fast_path_on_skips_tls_but_keeps_identities") {
         return;
     }
-    same_node("on");
+    same_node("on", "on");
+}
+
+#[test]
+fn same_node_fast_path_copies_when_splice_is_off() {
+    if !require_root("same_node_fast_path_copies_when_splice_is_off") {
+        return;
+    }
+    same_node("on", "off");
 }
 
 #[test]
@@ -94,7 +144,7 @@ fn same_node_fast_path_off_uses_hbone() {
     if !require_root("same_node_fast_path_off_uses_hbone") {
         return;
     }
-    same_node("off");
+    same_node("off", "on");
 }
 
 #[test]

@@ -34,6 +34,9 @@ use crate::{
 };
 
 /// Everything the daemon is configured with (built from flags by `main`).
+// Each bool is an independent `on|off` flag of the command line; enums
+// would only rename them.
+#[allow(clippy::struct_excessive_bools)]
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// cgroup v2 directory for the connect/sock_ops programs (None: the root).
@@ -42,6 +45,9 @@ pub struct Settings {
     pub bpffs: PathBuf,
     /// sk_msg acceleration of pod-local legs.
     pub sockmap: bool,
+    /// Splice streaming directions of TCP-to-TCP relays (ignored while
+    /// `sockmap` is on).
+    pub splice: bool,
     /// How to attach TC programs.
     pub tc_mode: TcMode,
     /// Remove every attachment and pin on shutdown.
@@ -287,6 +293,9 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         draining: Arc::new(tokio::sync::watch::channel(false).0),
         timeouts: settings.timeouts,
         limits,
+        // A socket in the sockhash receives redirected bytes in a queue of
+        // its own, which splice (it reads the TCP receive queue) would miss.
+        splice: settings.splice && !settings.sockmap,
     };
 
     let pins = if kernel {

@@ -83,6 +83,13 @@ struct RunArgs {
     /// unaffected). See docs/sockmap.md.
     #[arg(long, env = "ZTUNNEL_SOCKMAP", value_enum, default_value_t = OnOff::Off)]
     sockmap: OnOff,
+    /// Let the kernel move the bytes of plain TCP relays (passthrough,
+    /// plaintext inbound, the same-node fast path) with splice(2) once a
+    /// direction streams, instead of copying them through ztunnel.
+    /// Request/response traffic is copied either way. Forced off while
+    /// --sockmap is on.
+    #[arg(long, env = "ZTUNNEL_SPLICE", value_enum, default_value_t = OnOff::On)]
+    splice: OnOff,
     /// How pods' traffic is captured: the eBPF programs, or iptables
     /// REDIRECT rules inside each pod (the Istio-style fallback and the
     /// benchmark's baseline; needs the iptables commands).
@@ -418,6 +425,7 @@ fn settings(args: RunArgs) -> app::Settings {
         cgroup: args.cgroup,
         bpffs: args.bpffs,
         sockmap: args.sockmap == OnOff::On,
+        splice: args.splice == OnOff::On,
         tc_mode: args.tc_mode,
         cleanup: args.cleanup,
         config: args.config,

@@ -150,5 +150,5 @@ async fn plaintext(
         dst_end,
         service.as_ref(),
     );
-    relay(stream, upstream, record, Some(registration)).await
+    relay(&ctx.shared, stream, upstream, record, Some(registration)).await
 }

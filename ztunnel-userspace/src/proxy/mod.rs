@@ -11,12 +11,15 @@
 //!   original destination; 15008, HBONE (mTLS + CONNECT) termination.
 //! - [`connections`]: the open inbound connections, re-checked against the
 //!   policy whenever the mesh state changes.
+//! - [`relay`]: bytes between two TCP sockets (copied, or spliced in the
+//!   kernel once a direction streams).
 
 pub mod connections;
 pub mod inbound;
 pub mod listeners;
 pub mod outbound;
 pub mod pod_routing;
+pub mod relay;
 pub mod socket_factory;
 pub mod socks5;
 
@@ -60,6 +63,9 @@ pub struct Shared {
     pub timeouts: crate::timeouts::Timeouts,
     /// Connection, handshake and enrolment-client limits and their counts.
     pub limits: Arc<crate::limits::NodeLimits>,
+    /// Whether TCP-to-TCP relays may splice streaming directions
+    /// (`--splice`; off while `--sockmap` is on, see [`relay`]).
+    pub splice: bool,
 }
 
 impl Shared {
@@ -205,19 +211,24 @@ pub fn next_connection_id() -> u64 {
 /// a revocation (the policy no longer allows the connection) closes both
 /// sides early.
 pub async fn relay(
-    mut downstream: TcpStream,
-    mut upstream: TcpStream,
+    shared: &Shared,
+    downstream: TcpStream,
+    upstream: TcpStream,
     record: crate::telemetry::ConnectionRecord,
     policy: Option<connections::Registration>,
 ) -> Result<(), ProxyError> {
-    let copy = tokio::io::copy_bidirectional(&mut downstream, &mut upstream);
+    let copy = relay::both_ways(&downstream, &upstream, shared.splice);
     let copied = match policy {
         Some(registration) => registration.unless_revoked(copy).await,
         None => copy.await,
     };
     match copied {
         Ok((sent, received)) => {
-            record.close(sent, received, &Ok(()));
+            shared
+                .metrics
+                .spliced
+                .inc_by(sent.spliced + received.spliced);
+            record.close(sent.bytes, received.bytes, &Ok(()));
             Ok(())
         }
         Err(e) => {

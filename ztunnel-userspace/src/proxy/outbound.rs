@@ -137,7 +137,7 @@ pub async fn handle(
             return Err(e);
         }
     };
-    carry(stream, upstream, record).await
+    carry(&ctx.shared, stream, upstream, record).await
 }
 
 fn source(
@@ -335,16 +335,17 @@ pub async fn open(
 /// Copies both ways between the application's connection and `upstream`,
 /// then closes the record.
 pub async fn carry(
+    shared: &Shared,
     stream: TcpStream,
     upstream: Upstream,
     record: ConnectionRecord,
 ) -> Result<(), ProxyError> {
     match upstream {
-        Upstream::Tcp(upstream) => relay(stream, upstream, record, None).await,
+        Upstream::Tcp(upstream) => relay(shared, stream, upstream, record, None).await,
         Upstream::Local {
             stream: upstream,
             policy,
-        } => relay(stream, upstream, record, Some(policy)).await,
+        } => relay(shared, stream, upstream, record, Some(policy)).await,
         Upstream::Tunnel(tunnel) => match copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await {
             Ok((sent, received)) => {
                 record.close(tunnel.early + sent, received, &Ok(()));

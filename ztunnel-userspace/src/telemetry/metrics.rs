@@ -198,6 +198,11 @@ pub struct Metrics {
     pub cert_rotations: Gauge,
     /// `ztunnel_active_connections`.
     pub active: Gauge<i64, AtomicI64>,
+    /// `ztunnel_spliced_bytes_total`: bytes of TCP-to-TCP relays the kernel
+    /// moved between the two sockets (`splice`), counted when the relay
+    /// ends without an error, as the `istio_tcp_*_bytes` totals (which
+    /// include them) are.
+    pub spliced: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -233,6 +238,7 @@ impl Metrics {
             ca_failures: Gauge::default(),
             cert_rotations: Gauge::default(),
             active: Gauge::default(),
+            spliced: Counter::default(),
         };
         registry.register(
             "istio_tcp_connections_opened",
@@ -278,6 +284,11 @@ impl Metrics {
             "ztunnel_capture_events",
             "Kernel capture counters (summed over CPUs), by event",
             this.capture.clone(),
+        );
+        registry.register(
+            "ztunnel_spliced_bytes",
+            "Bytes of plain TCP relays (passthrough, plaintext inbound, same node) moved by the kernel with splice instead of copied through ztunnel",
+            this.spliced.clone(),
         );
         registry.register(
             "ztunnel_hbone_pool_connections",
