@@ -22,6 +22,37 @@ use std::path::PathBuf;
 fn main() {
     compile_protos();
     embed_ebpf();
+    link_order();
+}
+
+/// Lays the `ztunnel` binary's text out in the order `cargo xtask layout`
+/// recorded: what start-up and an idle proxy run first, then the data
+/// path, then the rest. The kernel maps text in 64 KiB blocks, so packing
+/// what runs keeps the resident part of the binary small. Only with lld
+/// (`--symbol-ordering-file`), the default linker of
+/// x86_64-unknown-linux-gnu; names the build does not have are ignored.
+fn link_order() {
+    let order = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"),
+    )
+    .join("layout/ztunnel.order");
+    println!("cargo:rerun-if-changed={}", order.display());
+    let lld_default = std::env::var("TARGET").as_deref() == Ok("x86_64-unknown-linux-gnu");
+    let lld_off = std::env::var("CARGO_ENCODED_RUSTFLAGS")
+        .is_ok_and(|f| f.contains("linker-features=-lld") || f.contains("fuse-ld=bfd"));
+    if order.is_file() && lld_default && !lld_off {
+        println!(
+            "cargo:rustc-link-arg-bin=ztunnel=-Wl,--symbol-ordering-file={}",
+            order.display()
+        );
+        println!("cargo:rustc-link-arg-bin=ztunnel=-Wl,--no-warn-symbol-ordering");
+    }
+    // Relative relocations packed (DT_RELR, glibc >= 2.36): the dynamic
+    // loader reads ~10 KiB instead of ~290 KiB of `.rela.dyn` at every
+    // start, and those pages stay resident.
+    if lld_default && !lld_off {
+        println!("cargo:rustc-link-arg-bin=ztunnel=-Wl,-z,pack-relative-relocs");
+    }
 }
 
 fn compile_protos() {

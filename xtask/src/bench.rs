@@ -87,7 +87,9 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
         );
     }
     // Release: the figures must describe the optimised proxy.
-    let bench = crate::binaries::build(workspace, true)?.join("zt-bench");
+    let bin = crate::binaries::build(workspace, true)?;
+    crate::layout::check(workspace, &bin);
+    let bench = bin.join("zt-bench");
     if args.baseline.is_some() || !args.baseline_args.is_empty() {
         return run_ab(workspace, args, &bench);
     }

@@ -11,6 +11,7 @@
 //!   targets of `ztunnel-userspace/fuzz/`.
 //! - `vm-test [--kernel 6.1|6.12|host|all] [--smoke]`: the privileged suite
 //!   on Debian's kernels in QEMU and on the host's.
+//! - `layout`: re-records the link order of the `ztunnel` binary.
 
 mod baseline;
 mod bench;
@@ -20,6 +21,7 @@ mod demo;
 mod ebpf;
 mod ebpf_artifact;
 mod fuzz;
+mod layout;
 mod packages;
 mod tally;
 mod test;
@@ -65,6 +67,10 @@ enum Cmd {
     /// QEMU (KVM when it works, else software emulation) and/or this
     /// machine's own kernel; one summary line per kernel.
     VmTest(vm::VmArgs),
+    /// Record which functions of the release ztunnel run (valgrind, in the
+    /// test topology; needs root) and rewrite the link order that packs
+    /// them together (ztunnel-userspace/layout/ztunnel.order).
+    Layout,
 }
 
 fn workspace_root() -> Result<PathBuf> {
@@ -85,5 +91,6 @@ fn main() -> Result<()> {
         Cmd::Bench(args) => bench::run(&root, &args),
         Cmd::Fuzz(args) => fuzz::run(&root, &args),
         Cmd::VmTest(args) => vm::run(&root, &args),
+        Cmd::Layout => layout::run(&root),
     }
 }
