@@ -45,9 +45,9 @@ pub struct Settings {
     pub bpffs: PathBuf,
     /// sk_msg acceleration of pod-local legs.
     pub sockmap: bool,
-    /// Splice streaming directions of TCP-to-TCP relays (ignored while
-    /// `sockmap` is on).
-    pub splice: bool,
+    /// Pipes for splicing streaming directions of TCP-to-TCP relays (0:
+    /// never; ignored while `sockmap` is on).
+    pub splice_pipes: usize,
     /// How to attach TC programs.
     pub tc_mode: TcMode,
     /// Remove every attachment and pin on shutdown.
@@ -295,7 +295,8 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         limits,
         // A socket in the sockhash receives redirected bytes in a queue of
         // its own, which splice (it reads the TCP receive queue) would miss.
-        splice: settings.splice && !settings.sockmap,
+        pipes: (settings.splice_pipes > 0 && !settings.sockmap)
+            .then(|| crate::proxy::relay::Pipes::new(settings.splice_pipes)),
     };
 
     let pins = if kernel {

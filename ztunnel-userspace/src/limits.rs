@@ -35,6 +35,8 @@ pub const DEFAULT_CONNECTIONS_PER_POD: usize = 16_384;
 /// Open connections on the node. Each costs two file descriptors and 5 to
 /// 16 KiB (docs/performance.md): 65,536 is 128 Ki fds and at most 1 GiB,
 /// inside a node agent's usual budget and far above what nodes carry.
+/// (Streaming TCP-to-TCP directions also hold a pipe, two more fds, from a
+/// budget of their own: `--splice-pipes`, 1,024 by default.)
 pub const DEFAULT_CONNECTIONS_PER_NODE: usize = 65_536;
 /// HBONE connections in their TLS or HTTP/2 handshake at once. A handshake
 /// takes about a millisecond of CPU and is bounded in time by the handshake

@@ -90,6 +90,11 @@ struct RunArgs {
     /// --sockmap is on.
     #[arg(long, env = "ZTUNNEL_SPLICE", value_enum, default_value_t = OnOff::On)]
     splice: OnOff,
+    /// Pipes the node's relays may splice with at once (each: two file
+    /// descriptors, up to 256 KiB in flight). A streaming direction that
+    /// finds none left is copied instead.
+    #[arg(long, env = "ZTUNNEL_SPLICE_PIPES", default_value_t = ztunnel::proxy::relay::DEFAULT_PIPES)]
+    splice_pipes: usize,
     /// How pods' traffic is captured: the eBPF programs, or iptables
     /// REDIRECT rules inside each pod (the Istio-style fallback and the
     /// benchmark's baseline; needs the iptables commands).
@@ -425,7 +430,11 @@ fn settings(args: RunArgs) -> app::Settings {
         cgroup: args.cgroup,
         bpffs: args.bpffs,
         sockmap: args.sockmap == OnOff::On,
-        splice: args.splice == OnOff::On,
+        splice_pipes: if args.splice == OnOff::On {
+            args.splice_pipes
+        } else {
+            0
+        },
         tc_mode: args.tc_mode,
         cleanup: args.cleanup,
         config: args.config,

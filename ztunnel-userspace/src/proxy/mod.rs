@@ -63,9 +63,10 @@ pub struct Shared {
     pub timeouts: crate::timeouts::Timeouts,
     /// Connection, handshake and enrolment-client limits and their counts.
     pub limits: Arc<crate::limits::NodeLimits>,
-    /// Whether TCP-to-TCP relays may splice streaming directions
-    /// (`--splice`; off while `--sockmap` is on, see [`relay`]).
-    pub splice: bool,
+    /// The pipes TCP-to-TCP relays may splice streaming directions with
+    /// (`--splice-pipes`; `None` with `--splice off` or `--sockmap on`, see
+    /// [`relay`]).
+    pub pipes: Option<Arc<relay::Pipes>>,
 }
 
 impl Shared {
@@ -217,7 +218,7 @@ pub async fn relay(
     record: crate::telemetry::ConnectionRecord,
     policy: Option<connections::Registration>,
 ) -> Result<(), ProxyError> {
-    let copy = relay::both_ways(&downstream, &upstream, shared.splice);
+    let copy = relay::both_ways(&downstream, &upstream, shared.pipes.as_ref());
     let copied = match policy {
         Some(registration) => registration.unless_revoked(copy).await,
         None => copy.await,

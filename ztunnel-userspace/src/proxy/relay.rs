@@ -9,6 +9,12 @@
 //! into ztunnel and back. Request/response traffic, whose reads are small,
 //! never pays for a pipe (two descriptors and a syscall to make them).
 //!
+//! Pipes come from a node-wide budget ([`Pipes`], 1,024 by default): each
+//! holds two descriptors and up to 256 KiB in flight, and a pod must not
+//! be able to spend the node's descriptors by streaming on many
+//! connections. Without a pipe (budget spent, descriptors exhausted) a
+//! direction keeps copying.
+//!
 //! Both modes count the same bytes, turn EOF into `shutdown(SHUT_WR)` on
 //! the other socket (half-close) and fail the whole relay on an error of
 //! either direction. The pipe is always emptied before the next read from
@@ -20,6 +26,10 @@ use std::{
     io,
     net::Shutdown,
     os::fd::{AsFd, OwnedFd},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
 };
 
 use bytes::BytesMut;
@@ -39,6 +49,37 @@ const CHUNK: usize = 16 * 1024;
 /// (the per-user pipe limits); whatever it grants works.
 const PIPE_SIZE: usize = 256 * 1024;
 
+/// Pipes the node's relays may hold at once.
+pub const DEFAULT_PIPES: usize = 1024;
+
+/// The node-wide budget of pipes for splicing.
+#[derive(Debug)]
+pub struct Pipes {
+    left: AtomicUsize,
+}
+
+impl Pipes {
+    /// A budget of `n` pipes (0: never splice).
+    pub fn new(n: usize) -> Arc<Self> {
+        Arc::new(Self {
+            left: AtomicUsize::new(n),
+        })
+    }
+
+    /// One pipe from the budget, returned when the [`Pipe`] is dropped.
+    fn take(self: &Arc<Self>) -> Option<Arc<Self>> {
+        self.left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .ok()
+            .map(|_| Arc::clone(self))
+    }
+
+    /// Pipes not in use.
+    pub fn left(&self) -> usize {
+        self.left.load(Ordering::Acquire)
+    }
+}
+
 /// What one direction moved.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Moved {
@@ -50,13 +91,20 @@ pub struct Moved {
 
 /// Copies both ways between `a` and `b` until both directions reached EOF
 /// (each passed on as a half-close), or until either fails. Returns
-/// (a -> b, b -> a). With `splice` false every byte is copied through
-/// ztunnel.
-pub async fn both_ways(a: &TcpStream, b: &TcpStream, splice: bool) -> io::Result<(Moved, Moved)> {
-    tokio::try_join!(one_way(a, b, splice), one_way(b, a, splice))
+/// (a -> b, b -> a). Without `pipes` every byte is copied through ztunnel.
+pub async fn both_ways(
+    a: &TcpStream,
+    b: &TcpStream,
+    pipes: Option<&Arc<Pipes>>,
+) -> io::Result<(Moved, Moved)> {
+    tokio::try_join!(one_way(a, b, pipes), one_way(b, a, pipes))
 }
 
-async fn one_way(from: &TcpStream, to: &TcpStream, mut may_splice: bool) -> io::Result<Moved> {
+async fn one_way(
+    from: &TcpStream,
+    to: &TcpStream,
+    mut pipes: Option<&Arc<Pipes>>,
+) -> io::Result<Moved> {
     let mut moved = Moved::default();
     let mut pipe: Option<Pipe> = None;
     loop {
@@ -73,7 +121,7 @@ async fn one_way(from: &TcpStream, to: &TcpStream, mut may_splice: bool) -> io::
                 Err(e) if unsupported(&e) => {
                     tracing::debug!(error = %e, "splice refused; copying instead");
                     pipe = None;
-                    may_splice = false;
+                    pipes = None;
                 }
                 Err(e) => return Err(e),
             }
@@ -81,15 +129,20 @@ async fn one_way(from: &TcpStream, to: &TcpStream, mut may_splice: bool) -> io::
         }
         match copy_burst(from, to, &mut moved).await? {
             Burst::Eof => break,
-            Burst::Streaming if may_splice => match Pipe::new() {
-                Ok(p) => pipe = Some(p),
-                // Out of descriptors or pipe quota: keep copying.
-                Err(e) => {
-                    tracing::debug!(error = %e, "no pipe for splicing; copying instead");
-                    may_splice = false;
+            Burst::Streaming => {
+                if let Some(budget) = pipes {
+                    match Pipe::new(budget) {
+                        Ok(p) => pipe = Some(p),
+                        // Budget spent, out of descriptors or pipe quota:
+                        // keep copying (this direction, for good).
+                        Err(e) => {
+                            tracing::debug!(error = %e, "no pipe for splicing; copying instead");
+                            pipes = None;
+                        }
+                    }
                 }
-            },
-            Burst::Drained | Burst::Streaming => {}
+            }
+            Burst::Drained => {}
         }
     }
     socket2::SockRef::from(to).shutdown(Shutdown::Write)?;
@@ -148,24 +201,46 @@ async fn write_all(to: &TcpStream, mut rest: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// A direction's pipe (both ends non-blocking).
+/// A direction's pipe (both ends non-blocking), counted in the budget
+/// until dropped.
 struct Pipe {
     read: OwnedFd,
     write: OwnedFd,
     size: usize,
+    budget: Arc<Pipes>,
+}
+
+impl Drop for Pipe {
+    fn drop(&mut self) {
+        self.budget.left.fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 const SPLICE_FLAGS: SpliceFFlags =
     SpliceFFlags::SPLICE_F_MOVE.union(SpliceFFlags::SPLICE_F_NONBLOCK);
 
 impl Pipe {
-    fn new() -> io::Result<Self> {
-        let (read, write) = pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)?;
+    fn new(budget: &Arc<Pipes>) -> io::Result<Self> {
+        let budget = budget
+            .take()
+            .ok_or_else(|| io::Error::other("the node's pipe budget is spent"))?;
+        let (read, write) = match pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC) {
+            Ok(ends) => ends,
+            Err(e) => {
+                budget.left.fetch_add(1, Ordering::AcqRel);
+                return Err(e.into());
+            }
+        };
         let asked = i32::try_from(PIPE_SIZE).unwrap_or(i32::MAX);
         let size = fcntl(&write, FcntlArg::F_SETPIPE_SZ(asked))
             .or_else(|_| fcntl(&write, FcntlArg::F_GETPIPE_SZ))
             .map_or(64 * 1024, |n| usize::try_from(n).unwrap_or(64 * 1024));
-        Ok(Self { read, write, size })
+        Ok(Self {
+            read,
+            write,
+            size,
+            budget,
+        })
     }
 
     /// Moves what `from` has (up to the pipe's size) into the empty pipe;
@@ -252,9 +327,10 @@ mod tests {
 
     /// Both directions at once, large and small writes, half-close each
     /// way; `splice` decides whether a pipe may be used.
-    async fn exchange(splice: bool, len: usize, write: usize) -> (Moved, Moved) {
+    async fn exchange(pipes: &Arc<Pipes>, len: usize, write: usize) -> (Moved, Moved) {
         let (client, a, b, server) = pairs().await;
-        let relay = tokio::spawn(async move { both_ways(&a, &b, splice).await });
+        let pipes = Arc::clone(pipes);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
         let up = pattern(len, 1);
         let down = pattern(len / 2 + 7, 2);
         let (up2, down2) = (up.clone(), down.clone());
@@ -283,7 +359,9 @@ mod tests {
 
     #[tokio::test]
     async fn streaming_directions_are_spliced_in_order() {
-        let (up, down) = exchange(true, 8 << 20, 128 * 1024).await;
+        let pipes = Pipes::new(8);
+        let (up, down) = exchange(&pipes, 8 << 20, 128 * 1024).await;
+        assert_eq!(pipes.left(), 8, "pipes go back to the budget");
         // The first full read is copied; what follows goes through pipes.
         assert!(up.spliced > (4 << 20), "client -> server spliced {up:?}");
         assert!(
@@ -294,19 +372,31 @@ mod tests {
 
     #[tokio::test]
     async fn small_writes_keep_order_whichever_mode_each_read_takes() {
-        exchange(true, 1 << 20, 7).await;
+        exchange(&Pipes::new(8), 1 << 20, 7).await;
     }
 
     #[tokio::test]
-    async fn without_splice_everything_is_copied() {
-        let (up, down) = exchange(false, 4 << 20, 64 * 1024).await;
+    async fn without_pipes_everything_is_copied() {
+        let (up, down) = exchange(&Pipes::new(0), 4 << 20, 64 * 1024).await;
         assert_eq!((up.spliced, down.spliced), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_spent_budget_leaves_the_other_direction_copying() {
+        let pipes = Pipes::new(1);
+        let (up, down) = exchange(&pipes, 8 << 20, 128 * 1024).await;
+        assert!(
+            (up.spliced == 0) != (down.spliced == 0),
+            "one pipe, one spliced direction: {up:?} {down:?}"
+        );
+        assert_eq!(pipes.left(), 1);
     }
 
     #[tokio::test]
     async fn request_response_never_makes_a_pipe() {
         let (mut client, a, b, mut server) = pairs().await;
-        let relay = tokio::spawn(async move { both_ways(&a, &b, true).await });
+        let pipes = Pipes::new(8);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
         let mut buf = [0u8; 1024];
         for i in 0..200u32 {
             let msg = [i as u8; 1024];
@@ -328,7 +418,8 @@ mod tests {
     #[tokio::test]
     async fn a_receiver_that_stops_reading_stops_the_sender() {
         let (mut client, a, b, mut server) = pairs().await;
-        let relay = tokio::spawn(async move { both_ways(&a, &b, true).await });
+        let pipes = Pipes::new(8);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
         // The server reads nothing: once the socket buffers and the pipe
         // are full, the client's writes must block (no unbounded queue in
         // ztunnel). Bounded: at most 256 MiB offered.
@@ -372,7 +463,8 @@ mod tests {
     #[tokio::test]
     async fn a_reset_fails_the_relay_while_splicing() {
         let (mut client, a, b, server) = pairs().await;
-        let relay = tokio::spawn(async move { both_ways(&a, &b, true).await });
+        let pipes = Pipes::new(8);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
         // Stream enough to be splicing, then the server resets.
         let writer = tokio::spawn(async move {
             let block = vec![7u8; 64 * 1024];
