@@ -13,7 +13,9 @@
 //! holds two descriptors and up to 256 KiB in flight, and a pod must not
 //! be able to spend the node's descriptors by streaming on many
 //! connections. Without a pipe (budget spent, descriptors exhausted) a
-//! direction keeps copying.
+//! direction keeps copying. A direction gives its pipe back as soon as a
+//! read is short again (the stream slowed down or turned into requests and
+//! responses), so quiet connections hold none.
 //!
 //! Both modes count the same bytes, turn EOF into `shutdown(SHUT_WR)` on
 //! the other socket (half-close) and fail the whole relay on an error of
@@ -115,6 +117,13 @@ async fn one_way(
                     p.drain(to, n).await?;
                     moved.bytes += n as u64;
                     moved.spliced += n as u64;
+                    // A short read: the stream has slowed down (or turned
+                    // into requests and responses). The pipe goes back to
+                    // the budget rather than sit with a quiet connection;
+                    // a full read takes one again.
+                    if n < CHUNK {
+                        pipe = None;
+                    }
                 }
                 // The pipe is empty here: nothing is lost by going back to
                 // copying.
@@ -379,6 +388,38 @@ mod tests {
     async fn without_pipes_everything_is_copied() {
         let (up, down) = exchange(&Pipes::new(0), 4 << 20, 64 * 1024).await;
         assert_eq!((up.spliced, down.spliced), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_direction_gives_its_pipe_back_when_the_stream_slows() {
+        let (mut client, a, b, mut server) = pairs().await;
+        let pipes = Pipes::new(4);
+        let budget = Arc::clone(&pipes);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&budget)).await });
+        let block = vec![5u8; 4 << 20];
+        let mut got = vec![0u8; block.len()];
+        let (w, r) = tokio::join!(client.write_all(&block), server.read_exact(&mut got));
+        w.unwrap();
+        r.unwrap();
+        // Small messages now, the connection staying open: the pipe returns.
+        let mut small = [0u8; 100];
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pipes.left() < 4 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the pipe never came back"
+            );
+            client.write_all(&[9u8; 100]).await.unwrap();
+            server.read_exact(&mut small).await.unwrap();
+            assert_eq!(small, [9u8; 100]);
+        }
+        client.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        server.read_to_end(&mut rest).await.unwrap();
+        server.shutdown().await.unwrap();
+        let (up, _) = relay.await.unwrap().unwrap();
+        assert!(up.spliced > 0, "{up:?}");
+        assert_eq!(pipes.left(), 4);
     }
 
     #[tokio::test]
