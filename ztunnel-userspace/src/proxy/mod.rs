@@ -218,7 +218,15 @@ pub async fn relay(
     record: crate::telemetry::ConnectionRecord,
     policy: Option<connections::Registration>,
 ) -> Result<(), ProxyError> {
-    let copy = relay::both_ways(&downstream, &upstream, shared.pipes.as_ref());
+    // Boxed: the relay's future (two directions, each with its copy and
+    // splice states) is larger than the HBONE copy's, and a connection's
+    // task is sized for its largest path; unboxed, every HBONE connection
+    // would carry it too (about 1 KiB each, seen with 10,000 connections).
+    let copy = Box::pin(relay::both_ways(
+        &downstream,
+        &upstream,
+        shared.pipes.as_ref(),
+    ));
     let copied = match policy {
         Some(registration) => registration.unless_revoked(copy).await,
         None => copy.await,
