@@ -40,7 +40,10 @@ fn link_order() {
     let lld_default = std::env::var("TARGET").as_deref() == Ok("x86_64-unknown-linux-gnu");
     let lld_off = std::env::var("CARGO_ENCODED_RUSTFLAGS")
         .is_ok_and(|f| f.contains("linker-features=-lld") || f.contains("fuse-ld=bfd"));
-    if order.is_file() && lld_default && !lld_off {
+    if !lld_default || lld_off {
+        return;
+    }
+    if order.is_file() {
         println!(
             "cargo:rustc-link-arg-bin=ztunnel=-Wl,--symbol-ordering-file={}",
             order.display()
@@ -50,9 +53,7 @@ fn link_order() {
     // Relative relocations packed (DT_RELR, glibc >= 2.36): the dynamic
     // loader reads ~10 KiB instead of ~290 KiB of `.rela.dyn` at every
     // start, and those pages stay resident.
-    if lld_default && !lld_off {
-        println!("cargo:rustc-link-arg-bin=ztunnel=-Wl,-z,pack-relative-relocs");
-    }
+    println!("cargo:rustc-link-arg-bin=ztunnel=-Wl,-z,pack-relative-relocs");
 }
 
 fn compile_protos() {

@@ -8,10 +8,10 @@
 
 use std::{path::Path, process::Command};
 
+use anyhow::{Context as _, Result, bail};
+
 /// The order the build script links with.
 const ORDER: &str = "ztunnel-userspace/layout/ztunnel.order";
-
-use anyhow::{Context as _, Result, bail};
 
 /// Builds the release binaries, runs `zt-layout` and rebuilds `ztunnel`
 /// with the new order.
