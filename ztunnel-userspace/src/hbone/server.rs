@@ -425,7 +425,7 @@ async fn stream(
             return;
         }
     };
-    tracing::info!(src_identity = %peer_identity, dst_identity = %server.identity, path = "hbone", "inbound connection opened");
+    tracing::debug!(src_identity = %peer_identity, dst_identity = %server.identity, path = "hbone", "inbound connection opened");
     let record = crate::telemetry::ConnectionRecord::open(
         &server.shared.metrics,
         "inbound",

@@ -141,7 +141,7 @@ async fn plaintext(
             return Err(e);
         }
     };
-    tracing::info!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
+    tracing::debug!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
     let record = crate::telemetry::ConnectionRecord::open(
         &ctx.shared.metrics,
         "inbound",

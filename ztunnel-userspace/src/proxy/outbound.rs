@@ -179,7 +179,7 @@ pub async fn open(
     match route {
         Route::Passthrough { target } => {
             let upstream = connect_within(&ctx.shared, &ctx.pod.sockets, target, None).await?;
-            tracing::info!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
+            tracing::debug!(orig_dst = %dst, target = %target, path = "passthrough", "outbound connection opened");
             let src = source(ctx, &state, None, client_port);
             let record = ConnectionRecord::open(
                 metrics,
@@ -250,7 +250,7 @@ pub async fn open(
                 }
                 let upstream =
                     connect_within(&ctx.shared, &local.sockets, target, Some(src_ip)).await?;
-                tracing::info!(
+                tracing::debug!(
                     orig_dst = %dst,
                     target = %target,
                     dst_workload = %workload,
@@ -294,7 +294,10 @@ pub async fn open(
                     app,
                 )
                 .await?;
-            tracing::info!(
+            // Debug, as in Istio's ztunnel: the access log line at close is the
+            // per-connection record, and a second line per connection costs
+            // connection rate (docs/performance.md).
+            tracing::debug!(
                 orig_dst = %dst,
                 target = %target,
                 dst_workload = %workload,
