@@ -352,9 +352,17 @@ fn metrics_admin_readiness_and_drain() {
     let (status, _) = node_get(&cluster, nb, &cg, "127.0.0.1:15000", "/logging?level=debug");
     assert_eq!(status, 200);
     zb.wait_for_log("log filter changed filter=debug", Duration::from_secs(5));
-    // Back to info: at debug every HTTP/2 frame of the drain's transfer is a
-    // log line, which slowed it past the drain deadline on a loaded machine.
-    let (status, _) = node_get(&cluster, nb, &cg, "127.0.0.1:15000", "/logging?level=info");
+    // Back to the harness's filter: at debug every HTTP/2 frame of the
+    // drain's transfer is a log line, which slowed it past the drain deadline
+    // on a loaded machine; and the drain below waits for the debug line that
+    // says the transfer opened on this node.
+    let (status, _) = node_get(
+        &cluster,
+        nb,
+        &cg,
+        "127.0.0.1:15000",
+        "/logging?level=info%2Cztunnel%3Ddebug",
+    );
     assert_eq!(status, 200);
     // Admin is not reachable from a pod: not on the node's fabric address,
     // and the pod's own loopback is its own.

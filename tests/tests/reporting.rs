@@ -183,10 +183,22 @@ fn the_logging_endpoint_decodes_checks_and_keeps_the_access_log() {
     );
     connect_and_see_access_log("after a refused filter");
 
+    // At the shipped level a connection writes its access line only: the
+    // line when it opens is at debug, as in Istio's ztunnel.
+    let opened = || z.count_log_lines(&["connection opened"]);
+    let (status, body) = get("/logging?level=info");
+    assert_eq!(status, 200, "{body}");
+    let before = opened();
+    connect_and_see_access_log("at info");
+    assert_eq!(opened(), before, "a connection-opened line at info");
+
     // URL-encoded: decoded, and completed with a default level.
     let (status, body) = get("/logging?level=ztunnel%3Ddebug");
     assert_eq!(status, 200, "{body}");
     assert_eq!(body.trim(), "log filter set to info,ztunnel=debug");
+    let before = opened();
+    connect_and_see_access_log("at ztunnel=debug");
+    assert!(opened() > before, "no connection-opened line at debug");
     let (status, body) = get("/logging?level=info%2Cztunnel%3Dverbose");
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("\"verbose\" is not a level"), "{body}");
