@@ -7,8 +7,8 @@
 //!   capacity is released to the peer, so the peer can never have more than
 //!   one window in flight towards us; END_STREAM becomes `shutdown(SHUT_WR)`.
 //! - An idle connection holds no read buffer: one is allocated only when the
-//!   socket is readable, 16 KiB, or 256 KiB while the last read filled its
-//!   buffer.
+//!   socket is readable: 16 KiB, or 256 KiB from a read that filled its
+//!   buffer until one returns less than 16 KiB.
 
 use std::io;
 
@@ -102,13 +102,8 @@ pub async fn tcp_to_h2(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::relay::tests::pattern;
     use tokio::net::TcpListener;
-
-    fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len)
-            .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 13) as u8)
-            .collect()
-    }
 
     /// Writes the pieces in order, with a pause after small ones so each is
     /// its own read, then half-closes.
@@ -151,7 +146,8 @@ mod tests {
                 .send_response(http::Response::new(()), false)
                 .unwrap();
             let mut body = request.into_body();
-            // The peer answers with its own mixed stream while it reads.
+            // The peer answers with its own stream (100,000-byte pieces, so
+            // DATA frames that are not the reads' sizes) while it reads.
             let answer = pattern(3 << 20, 9);
             let reply = {
                 let answer = answer.clone();
@@ -186,16 +182,23 @@ mod tests {
             let ((), got) = tokio::join!(reply, read);
             (got, answer.len())
         });
-        let (mut client, conn) = h2::client::Builder::new()
+        let limit = std::time::Duration::from_secs(60);
+        let handshake = h2::client::Builder::new()
             .initial_window_size(crate::hbone::STREAM_WINDOW)
             .max_frame_size(crate::hbone::MAX_FRAME)
-            .handshake::<_, Bytes>(client_io)
+            .handshake::<_, Bytes>(client_io);
+        let (mut client, conn) = tokio::time::timeout(limit, handshake)
             .await
+            .unwrap()
             .unwrap();
         tokio::spawn(conn);
         let request = http::Request::connect("127.0.0.1:8080").body(()).unwrap();
         let (response, send) = client.send_request(request, false).unwrap();
-        let recv = response.await.unwrap().into_body();
+        let recv = tokio::time::timeout(limit, response)
+            .await
+            .unwrap()
+            .unwrap()
+            .into_body();
         let copy = tokio::spawn(tcp_to_h2(proxy_side, send, recv));
 
         // Bulk, then small messages (back to small reads), then bulk again.
@@ -212,7 +215,6 @@ mod tests {
             1 << 20,
         ];
         let (mut rd, mut wr) = app.into_split();
-        let limit = std::time::Duration::from_secs(60);
         let write = write_pieces(&mut wr, &written, &sizes);
         let mut received = Vec::new();
         let read = rd.read_to_end(&mut received);

@@ -295,7 +295,7 @@ impl Pipe {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpListener;
@@ -311,7 +311,10 @@ mod tests {
         (client, a, b, server)
     }
 
-    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    /// Bytes that differ from their neighbours and repeat only after 2 KiB
+    /// shifts, so a lost, doubled or reordered piece shows (also used by
+    /// `hbone::copy`'s tests).
+    pub(crate) fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8)
             .collect()
