@@ -127,6 +127,8 @@ pub fn run(workspace: &Path, args: &BenchArgs) -> Result<()> {
              [performance.md](performance.md).\n\n\
              - Machine: {machine}\n\
              - Load generators: {generators}\n\
+             - Bulk: iperf3, 1 and 4 streams from client to server, and 1 stream from server to client \
+             (\"download\", `-R`).\n\
              - Request/response: 1 KiB messages on one connection, half round trips (as sockperf reports them), \
              at maximum rate and at 1,000/s.\n\
              - ztunnel CPU: on-CPU time of every ztunnel thread (`/proc/PID/task/*/schedstat`) over a \

@@ -63,6 +63,21 @@ impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Lingering<T> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
+    // Forwarded so h2 keeps writing a DATA frame's header and payload in
+    // one call: without it h2 writes them separately, and under TLS each
+    // write became its own record and its own `write(2)`.
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
@@ -121,6 +136,72 @@ mod tests {
         ours.shutdown().await.expect("shutdown");
         assert!(started.elapsed() < Duration::from_secs(5));
         assert_eq!(peer.await.expect("peer"), b"last bytes");
+    }
+
+    /// Accepts everything, vectored, and remembers each call's size.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Vec<usize>,
+    }
+
+    impl AsyncRead for Recorder {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl AsyncWrite for Recorder {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            self.calls.push(buf.len());
+            Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_write_vectored(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            bufs: &[std::io::IoSlice<'_>],
+        ) -> Poll<std::io::Result<usize>> {
+            let n = bufs.iter().map(|b| b.len()).sum();
+            self.calls.push(n);
+            Poll::Ready(Ok(n))
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// h2 writes a DATA frame's header and payload in one vectored call
+    /// only if its I/O says it can; under TLS two calls are two records.
+    #[tokio::test]
+    async fn vectored_writes_reach_the_inner_io_as_one_call() {
+        let mut ours = Lingering::new(Recorder::default(), Duration::from_secs(1));
+        assert!(ours.is_write_vectored());
+        let header = [0u8; 9];
+        let payload = [1u8; 4096];
+        let bufs = [
+            std::io::IoSlice::new(&header),
+            std::io::IoSlice::new(&payload),
+        ];
+        let n = ours.write_vectored(&bufs).await.expect("write");
+        assert_eq!(n, header.len() + payload.len());
+        assert_eq!(ours.inner.calls, vec![header.len() + payload.len()]);
     }
 
     #[tokio::test]

@@ -15,11 +15,12 @@
 //! `mesh-ebpf` with this build and `mesh-ebpf@baseline` with the binary at
 //! PATH (and `--baseline-arg`s), interleaved the same way; the report adds
 //! their ratios.
-//! Load generators: iperf3 (bulk, 1 and 4 streams), sockperf ping-pong
-//! (half round trip of 1 KiB requests on one connection) and ab against
-//! nginx (new connection per request) when installed; otherwise the
-//! built-in `zt-probe bulk|rr|connrate` modes, which measure the same
-//! things, so the benchmark also runs on a bare machine. `zt-probe hold`
+//! Load generators: iperf3 (bulk, 1 and 4 streams, and 1 stream with the
+//! server sending, `-R`), sockperf ping-pong (half round trip of 1 KiB
+//! requests on one connection) and ab against nginx (new connection per
+//! request) when installed; otherwise the built-in `zt-probe
+//! bulk|rr|connrate` modes, which measure the same things but the download
+//! direction, so the benchmark also runs on a bare machine. `zt-probe hold`
 //! opens the connections of the memory measurement.
 
 mod measure;
@@ -100,9 +101,10 @@ struct Cli {
     baseline_args: Vec<String>,
 }
 
-pub(crate) const METRICS: [&str; 16] = [
+pub(crate) const METRICS: [&str; 17] = [
     "throughput_gbps",
     "throughput4_gbps",
+    "throughput_rev_gbps",
     "rr_p50_us",
     "rr_p99_us",
     "rr_p999_us",

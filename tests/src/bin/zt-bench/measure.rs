@@ -152,6 +152,7 @@ pub fn measure(
                     dial.addr(IPERF3_PORT),
                     p.seconds,
                     streams,
+                    false,
                 )
             } else {
                 let streams = streams.to_string();
@@ -167,6 +168,20 @@ pub fn measure(
                 num(&probe(client, &args, limit), "gbps")
             };
             out.push((metric.into(), gbps.unwrap_or(0.0)));
+        }
+        // The download direction (server to client): the built-in probe
+        // has no sending server, so this figure needs iperf3.
+        if let Some(iperf3) = &tools.iperf3 {
+            let gbps = tools::iperf3(
+                iperf3,
+                client,
+                srv,
+                dial.addr(IPERF3_PORT),
+                p.seconds,
+                1,
+                true,
+            );
+            out.push(("throughput_rev_gbps".into(), gbps.unwrap_or(0.0)));
         }
     }
     for (wanted, rate, prefix, cpu_keys) in [

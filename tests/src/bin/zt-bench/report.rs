@@ -220,6 +220,7 @@ fn header(metric: &str, hold: u64) -> String {
     match metric {
         "throughput_gbps" => "Gbit/s 1 stream".into(),
         "throughput4_gbps" => "Gbit/s 4 streams".into(),
+        "throughput_rev_gbps" => "Gbit/s 1 stream, download".into(),
         "rr_p50_us" => "RR p50 µs".into(),
         "rr_p99_us" => "RR p99 µs".into(),
         "rr_p999_us" => "RR p999 µs".into(),
@@ -239,9 +240,10 @@ fn header(metric: &str, hold: u64) -> String {
 }
 
 /// The order of the table's columns (the headline figures first).
-const COLUMNS: [&str; 16] = [
+const COLUMNS: [&str; 17] = [
     "throughput_gbps",
     "throughput4_gbps",
+    "throughput_rev_gbps",
     "rr_p50_us",
     "rr_p99_us",
     "rr_p999_us",

@@ -155,6 +155,7 @@ pub fn iperf3(
     dial: SocketAddr,
     seconds: u64,
     streams: usize,
+    reverse: bool,
 ) -> Option<f64> {
     let port = IPERF3_PORT.to_string();
     let ip = server.ip.to_string();
@@ -163,7 +164,7 @@ pub fn iperf3(
         cmd.args(["-s", "-1", "-B", &ip, "-p", &port]);
         let listener = PodProcess::spawn("iperf3-server", cmd);
         std::thread::sleep(Duration::from_millis(200));
-        let args: Vec<String> = [
+        let mut args: Vec<String> = [
             "-c",
             &dial.ip().to_string(),
             "-p",
@@ -179,6 +180,12 @@ pub fn iperf3(
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
+        if reverse {
+            // The server sends: the client still opens the connection (so
+            // the client's ztunnel captures it), but the bytes flow back
+            // through the server's ztunnel's HTTP/2 writes.
+            args.push("-R".into());
+        }
         let out =
             run(client, iperf3, &args, Duration::from_secs(seconds * 3 + 30)).unwrap_or_default();
         drop(listener);
