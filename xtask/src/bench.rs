@@ -222,7 +222,9 @@ const AB: [&str; 4] = ["direct", "bare-relay", "mesh-ebpf", "mesh-ebpf@baseline"
 /// Every scenario must have produced every figure: a load generator that
 /// failed reports 0 or nothing, and a benchmark with holes must not pass
 /// (this is what makes `bench --quick` in `cargo xtask test` a real check).
-/// The relays of `bare-relay` have CPU figures but no memory ones.
+/// The relays of `bare-relay` have CPU figures but no memory ones. The
+/// download figure exists only when iperf3 ran (the built-in probe has no
+/// sending server).
 fn check_figures(result: &serde_json::Value) -> Result<()> {
     const ALWAYS: [&str; 5] = [
         "throughput_gbps",
@@ -237,6 +239,16 @@ fn check_figures(result: &serde_json::Value) -> Result<()> {
         "rss_idle_mb",
         "rss_10k_conns_mb",
     ];
+    let iperf3 = result["load_generators"]
+        .as_str()
+        // zt-bench's own wording (`Tools::describe`); without iperf3 it
+        // reads "bulk: zt-probe bulk (built-in zt-probe; iperf3 not installed)".
+        .is_some_and(|g| g.starts_with("bulk: iperf3;"));
+    let download: &[&str] = if iperf3 {
+        &["throughput_rev_gbps"]
+    } else {
+        &[]
+    };
     let mut missing = Vec::new();
     let scenarios = if result["baseline"].is_object() {
         &AB[..]
@@ -251,7 +263,7 @@ fn check_figures(result: &serde_json::Value) -> Result<()> {
                 "bare-relay" => &MESH[..2],
                 _ => &MESH[..],
             };
-            for key in ALWAYS.iter().chain(more) {
+            for key in ALWAYS.iter().chain(download).chain(more) {
                 if !figures[*key].as_f64().is_some_and(|v| v > 0.0) {
                     missing.push(format!("{scenario}/{placement}/{key}"));
                 }
@@ -405,6 +417,36 @@ mod tests {
                 .contains("bare-relay/cross_node/throughput_gbps"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_download_figure_is_needed_when_iperf3_ran() {
+        let mut result = complete();
+        super::check_figures(&result).expect("no generators named: no download figure");
+        result["load_generators"] = json!(
+            "bulk: zt-probe bulk (built-in zt-probe; iperf3 not installed); \
+             request/response: sockperf ping-pong; new connections: ab + nginx"
+        );
+        super::check_figures(&result).expect("built-in bulk probe: no download figure");
+        result["load_generators"] = json!(
+            "bulk: iperf3; request/response: sockperf ping-pong; new connections: ab + nginx"
+        );
+        let err = super::check_figures(&result).expect_err("iperf3 ran");
+        assert!(
+            err.to_string()
+                .contains("mesh-ebpf/cross_node/throughput_rev_gbps"),
+            "{err}"
+        );
+        for scenario in result["scenarios"]
+            .as_object_mut()
+            .expect("object")
+            .values_mut()
+        {
+            for placement in ["same_node", "cross_node"] {
+                scenario[placement]["throughput_rev_gbps"] = json!(1.0);
+            }
+        }
+        super::check_figures(&result).expect("every download figure is there");
     }
 
     #[test]

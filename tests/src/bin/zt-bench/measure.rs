@@ -143,7 +143,13 @@ pub fn measure(
     let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<String>>();
     let mut out = Vec::new();
     if p.wants("bulk") {
-        for (metric, streams) in [("throughput_gbps", 1), ("throughput4_gbps", 4)] {
+        // The last one is the download direction (server to client): the
+        // built-in probe has no sending server, so that figure needs iperf3.
+        for (metric, streams, reverse) in [
+            ("throughput_gbps", 1, false),
+            ("throughput4_gbps", 4, false),
+            ("throughput_rev_gbps", 1, true),
+        ] {
             let gbps = if let Some(iperf3) = &tools.iperf3 {
                 tools::iperf3(
                     iperf3,
@@ -152,8 +158,10 @@ pub fn measure(
                     dial.addr(IPERF3_PORT),
                     p.seconds,
                     streams,
-                    false,
+                    reverse,
                 )
+            } else if reverse {
+                continue;
             } else {
                 let streams = streams.to_string();
                 let args = s(&[
@@ -168,20 +176,6 @@ pub fn measure(
                 num(&probe(client, &args, limit), "gbps")
             };
             out.push((metric.into(), gbps.unwrap_or(0.0)));
-        }
-        // The download direction (server to client): the built-in probe
-        // has no sending server, so this figure needs iperf3.
-        if let Some(iperf3) = &tools.iperf3 {
-            let gbps = tools::iperf3(
-                iperf3,
-                client,
-                srv,
-                dial.addr(IPERF3_PORT),
-                p.seconds,
-                1,
-                true,
-            );
-            out.push(("throughput_rev_gbps".into(), gbps.unwrap_or(0.0)));
         }
     }
     for (wanted, rate, prefix, cpu_keys) in [
