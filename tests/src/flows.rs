@@ -43,6 +43,8 @@ pub struct ClientRun {
     pub io: &'static str,
     /// Go through this SOCKS5 proxy, optionally asking for a name.
     pub socks: Option<(SocketAddr, Option<String>)>,
+    /// `SO_MARK` on the client's socket (a pod forging ztunnel's mark).
+    pub mark: Option<u32>,
 }
 
 impl Default for ClientRun {
@@ -55,6 +57,7 @@ impl Default for ClientRun {
             limit: Duration::from_mins(1),
             io: "threads",
             socks: None,
+            mark: None,
         }
     }
 }
@@ -79,6 +82,9 @@ pub fn client(pod: &Pod, dst: SocketAddr, run: &ClientRun) -> Finished {
         "--io",
         run.io,
     ]);
+    if let Some(mark) = run.mark {
+        cmd.arg("--mark").arg(format!("{mark:#x}"));
+    }
     if let Some((proxy, name)) = &run.socks {
         cmd.arg("--via-socks").arg(proxy.to_string());
         if let Some(name) = name {

@@ -2,8 +2,8 @@
 //!
 //! The process runs in the node's network namespace and in a cgroup below
 //! the cluster's capture cgroup, so the capture programs do run for
-//! ztunnel's own sockets: only its socket mark keeps them from being
-//! captured, which is exactly what the tests want to exercise. Its log goes
+//! ztunnel's own sockets: only their entry in `ZTUNNEL_SOCKETS` keeps them
+//! from being captured, which is exactly what the tests want to exercise. Its log goes
 //! to a file; on a failing test the log is printed before it is removed.
 
 use std::{

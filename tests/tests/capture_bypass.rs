@@ -16,6 +16,7 @@ use aya::maps::{HashMap as BpfHashMap, MapData};
 use ztunnel_common::{Counter, OrigDst, OrigDstKey};
 use ztunnel_tests::{
     Cluster, Pod,
+    cgroup::TestCgroup,
     flows::{self, WorkloadEntry},
     process::{Finished, PodProcess},
     require_root,
@@ -39,6 +40,12 @@ fn entries() -> Vec<WorkloadEntry> {
         WorkloadEntry::enrolled("client", "node-a"),
         WorkloadEntry::outside("attacker", "node-a"),
         WorkloadEntry::outside("bystander", "node-a"),
+        // In the mesh, but its ztunnel is another node's (here: none), so
+        // what it sends arrives as plaintext from a meshed workload's IP.
+        WorkloadEntry {
+            enrolled: false,
+            ..WorkloadEntry::enrolled("impostor", "node-b")
+        },
     ]
 }
 
@@ -54,7 +61,16 @@ struct Setup {
 fn setup(extra: &str) -> Setup {
     let mut cluster = Cluster::new();
     let node = cluster.add_node("node-a");
-    for pod in ["app", "open", "client", "attacker", "bystander"] {
+    // `stranger` is in no config: a destination the mesh does not know.
+    for pod in [
+        "app",
+        "open",
+        "client",
+        "attacker",
+        "bystander",
+        "impostor",
+        "stranger",
+    ] {
         cluster.add_pod(node, pod);
     }
     let config = flows::write_config_with(&cluster, "mesh.yaml", &entries(), extra);
@@ -482,5 +498,146 @@ fn fragmented_and_extension_header_syns_cannot_reach_a_strict_app() {
         s.z.count_log_lines(&["access", "result=\"denied\"", "STRICT"]) >= 2,
         "{}",
         s.z.log()
+    );
+}
+
+/// A pod whose processes are root with a runtime's default capabilities
+/// (`CAP_NET_RAW` is enough for `SO_MARK` since Linux 5.17) sets ztunnel's
+/// mark on its own sockets. Every such connect is still captured: to a
+/// STRICT pod it arrives over mTLS (plaintext would be refused), and
+/// under `REGISTRY_ONLY` a destination outside the mesh stays closed.
+#[test]
+fn a_pod_cannot_exempt_itself_with_ztunnels_mark() {
+    if !require_root("a_pod_cannot_exempt_itself_with_ztunnels_mark") {
+        return;
+    }
+    let s = setup(&format!("{STRICT}outboundTrafficPolicy: REGISTRY_ONLY\n"));
+    let (app, client, stranger) = (
+        s.cluster.pod("app"),
+        s.cluster.pod("client"),
+        s.cluster.pod("stranger"),
+    );
+    // 0x539 is Istio's and ours; the others only share its low 12 bits,
+    // which is all Istio's in-pod rule (`--mark 0x539/0xfff`) compares.
+    let marks = [0x539, 0x2539, 0x1_0539];
+    let mut meshed = 0;
+    for dst in [sa(app.ip, APP_PORT), sa(app.ip6, APP_PORT)] {
+        let mut server = flows::server(app, dst, "echo");
+        for mark in marks {
+            let before = s.z.counters();
+            let done = flows::client(
+                client,
+                dst,
+                &flows::ClientRun {
+                    bytes: 10_000,
+                    mark: Some(mark),
+                    ..flows::ClientRun::default()
+                },
+            );
+            let after = s.z.counters();
+            let delta = |c| after.get(c) - before.get(c);
+            assert!(
+                done.stdout.contains("RESULT ok"),
+                "mark {mark:#x} to the STRICT pod at {dst} did not arrive over mTLS: {done:?}\n{}",
+                s.z.log()
+            );
+            assert_eq!(
+                delta(Counter::ConnectRedirected),
+                1,
+                "mark {mark:#x}: {after:?}"
+            );
+            assert_eq!(
+                delta(Counter::ConnectForgedMark),
+                1,
+                "mark {mark:#x}: {after:?}"
+            );
+            assert_eq!(
+                delta(Counter::LookupSteeredPlaintext),
+                0,
+                "mark {mark:#x} reached {dst} as plaintext: {after:?}"
+            );
+            meshed += 1;
+        }
+        assert_eq!(accepts(&mut server).len(), marks.len(), "{dst}");
+    }
+    assert!(
+        s.z.count_log_lines(&["access", "direction=\"outbound\"", "path=\"local\""]) >= meshed,
+        "{}",
+        s.z.log()
+    );
+
+    // Out of the mesh under REGISTRY_ONLY: closed, whatever the mark.
+    for dst in [sa(stranger.ip, APP_PORT), sa(stranger.ip6, APP_PORT)] {
+        let mut server = flows::server(stranger, dst, "echo");
+        for mark in marks {
+            let done = flows::client(
+                client,
+                dst,
+                &flows::ClientRun {
+                    bytes: 1_000,
+                    mark: Some(mark),
+                    limit: Duration::from_secs(5),
+                    ..flows::ClientRun::default()
+                },
+            );
+            assert!(
+                !done.stdout.contains("RESULT ok"),
+                "mark {mark:#x} walked out of the mesh to {dst}: {done:?}"
+            );
+        }
+        let seen = accepts(&mut server);
+        assert!(
+            seen.is_empty(),
+            "{dst} was reached around the mesh: {seen:?}"
+        );
+    }
+    assert!(
+        s.z.count_log_lines(&["outbound connection denied"]) >= 2 * marks.len(),
+        "{}",
+        s.z.log()
+    );
+}
+
+/// Plaintext that comes from a meshed workload's address proves nothing
+/// about who sent it: the access log and the metrics give it no identity.
+#[test]
+fn plaintext_is_never_given_the_identity_of_its_source_address() {
+    if !require_root("plaintext_is_never_given_the_identity_of_its_source_address") {
+        return;
+    }
+    let s = setup("");
+    let (open, impostor) = (s.cluster.pod("open"), s.cluster.pod("impostor"));
+    let dst = sa(open.ip, APP_PORT);
+    let _server = flows::server(open, dst, "echo");
+    flows::assert_ok(&flows::client(impostor, dst, &flows::ClientRun::default()));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s
+        .z
+        .count_log_lines(&["access", "path=\"plaintext\"", "src_workload=impostor"])
+        == 0
+    {
+        assert!(Instant::now() < deadline, "no access line:\n{}", s.z.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = s.z.log();
+    assert_eq!(
+        s.z.count_log_lines(&["access", "path=\"plaintext\"", "src_identity= "]),
+        1,
+        "{log}"
+    );
+    assert!(
+        !log.contains("sa/impostor"),
+        "plaintext was given the impostor's identity: {log}"
+    );
+    let cg = TestCgroup::create(&format!("{}/metrics-client", s.cluster.prefix()));
+    let metrics = Ztunnel::metrics_of(&s.cluster, 0, &cg);
+    let opened: Vec<_> = metrics
+        .lines()
+        .filter(|l| l.starts_with("istio_tcp_connections_opened_total") && l.contains("impostor"))
+        .collect();
+    assert!(!opened.is_empty(), "{metrics}");
+    assert!(
+        opened.iter().all(|l| !l.contains("sa/impostor")),
+        "plaintext counted under the impostor's identity: {opened:?}"
     );
 }

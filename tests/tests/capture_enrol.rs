@@ -3,7 +3,10 @@
 
 use std::{
     net::SocketAddr,
-    os::fd::{AsRawFd as _, OwnedFd},
+    os::{
+        fd::{AsRawFd as _, OwnedFd},
+        unix::fs::PermissionsExt as _,
+    },
     process::Command,
     time::Duration,
 };
@@ -21,6 +24,28 @@ use ztunnel_tests::{
     require_root,
     ztunnel::{Ztunnel, sibling_bin},
 };
+
+/// The overflow uid: not root, not anyone in particular.
+const NOBODY: u32 = 65534;
+
+/// Sends an empty `snapshot_sent` from a thread running as `uid`. Linux
+/// keeps credentials per thread and the raw `setresuid` system call (unlike
+/// libc's wrapper) changes only the calling thread's, so the test process
+/// itself stays root; `SO_PEERCRED` records the connecting thread's.
+fn snapshot_as(socket: &std::path::Path, uid: u32) -> Result<(), zds::ZdsError> {
+    let socket = socket.to_path_buf();
+    std::thread::spawn(move || {
+        // SAFETY: a plain system call on this thread's own credentials.
+        let rc = unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, uid) };
+        assert_eq!(rc, 0, "setresuid: {}", std::io::Error::last_os_error());
+        let request = WorkloadRequest {
+            payload: Some(Payload::SnapshotSent(zds::SnapshotSent {})),
+        };
+        zds::request(&socket, vec![(request, None)])
+    })
+    .join()
+    .expect("client thread")
+}
 
 fn enrol(z: &Ztunnel, args: &[&str]) -> std::process::Output {
     Command::new(sibling_bin("ztunnel"))
@@ -100,6 +125,30 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
         String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/netns"),
         "{missing:?}"
     );
+
+    // Only root may speak on the socket: the file is 0600, and even with
+    // the file opened to all, a client that is not root is refused before
+    // anything it sends is read (here: a snapshot that would un-enrol the
+    // pod).
+    let mode = std::fs::metadata(&z.socket)
+        .expect("stat socket")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "enrolment socket mode {mode:o}");
+    std::fs::set_permissions(&z.socket, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    match snapshot_as(&z.socket, NOBODY) {
+        Err(zds::ZdsError::Refused(error)) => assert!(
+            error.contains(&format!("uid {NOBODY}")),
+            "the refusal must name the uid: {error}"
+        ),
+        other => panic!("a snapshot from uid {NOBODY} was not refused: {other:?}"),
+    }
+    assert_eq!(z.count_log_lines(&["pod removed"]), 0, "{}", z.log());
+    assert_eq!(
+        z.count_log_lines(&["enrolment client refused", "uid=65534"]),
+        1
+    );
+    flows::assert_ok(&flows::client(app, dst, &ClientRun::default()));
 
     // A snapshot that does not mention the pod removes it.
     let out = enrol(&z, &["snapshot"]);

@@ -10,7 +10,7 @@ use ztunnel::{
     },
     identity::{CertManager, Identity, ca::CertificateAuthority},
     netns::PodNetns,
-    proxy::socket_factory::SocketFactory,
+    proxy::socket_factory::{SocketFactory, SocketTables},
     telemetry::Metrics,
     timeouts::Timeouts,
 };
@@ -122,8 +122,11 @@ fn a_connect_to_a_target_that_is_not_the_pod_gets_400() {
         },
         Metrics::new(),
     );
-    let sockets = SocketFactory::new(&PodNetns::open(&a1.netns_path()).expect("netns"), None)
-        .expect("factory");
+    let sockets = SocketFactory::new(
+        &PodNetns::open(&a1.netns_path()).expect("netns"),
+        SocketTables::default(),
+    )
+    .expect("factory");
     let key = PoolKey {
         src_ip: a1.ip.into(),
         src: Identity::new("cluster.local", "test", "a1"),

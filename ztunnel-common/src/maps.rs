@@ -16,6 +16,16 @@ pub const MAP_POD_CAPTURE: &str = "POD_CAPTURE";
 /// nothing accumulates with connection churn and the record is right for the
 /// whole life of the connection.
 pub const MAP_ORIG_DST_BY_SOCKET: &str = "ORIG_DST_BY_SOCKET";
+/// Socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`) holding a
+/// [`ZtunnelSocket`] for every socket ztunnel itself opened inside a pod.
+/// Written by userspace only (`bpf(BPF_MAP_UPDATE_ELEM)` with the socket's
+/// fd as key, right after `socket()` and before `connect()`); read by
+/// `capture_connect4/6`, which let exactly these sockets through uncaptured.
+/// This is how ztunnel's own connections are told apart from the pod's: a
+/// pod can set any `SO_MARK` it likes (`CAP_NET_RAW` is a container
+/// runtime's default), but it cannot write to a map pinned in the node's
+/// bpffs. The kernel frees an entry with its socket.
+pub const MAP_ZTUNNEL_SOCKETS: &str = "ZTUNNEL_SOCKETS";
 /// [`OrigDstKey`] -> [`OrigDst`]. Written by `capture_sockops` when a
 /// captured socket sends its SYN (the client's port is known by then); read
 /// and deleted by userspace when the outbound listener accepts the
@@ -123,6 +133,20 @@ pub struct OrigDst {
     pub _pad: u32,
 }
 const _: () = assert!(core::mem::size_of::<OrigDst>() == 24);
+
+/// The value of [`MAP_ZTUNNEL_SOCKETS`]: that ztunnel made the socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ZtunnelSocket {
+    /// [`ZTUNNEL_SOCKET_OWN`]; anything else is not ztunnel's.
+    pub owner: u32,
+}
+const _: () = assert!(core::mem::size_of::<ZtunnelSocket>() == 4);
+
+/// [`ZtunnelSocket::owner`] of a socket ztunnel opened. Not zero, so that a
+/// zeroed entry (what the kernel creates for a program that asks with
+/// `F_CREATE`) never counts as ztunnel's.
+pub const ZTUNNEL_SOCKET_OWN: u32 = 0x5a54;
 
 /// Key of [`MAP_ORIG_DST`]: the client end of a captured connection, as the
 /// outbound listener sees it in `accept()`'s peer address, qualified by the
@@ -235,8 +259,8 @@ pub enum Counter {
     Connect6Seen,
     /// Connects redirected to an outbound listener.
     ConnectRedirected,
-    /// Connects let through because the socket carries [`crate::ZTUNNEL_MARK`].
-    ConnectSkippedMark,
+    /// Connects let through because the socket is one ztunnel opened (listed in [`MAP_ZTUNNEL_SOCKETS`]).
+    ConnectSkippedOwn,
     /// Connects let through because of a configured exclusion or loopback.
     ConnectExcluded,
     /// Connects from a namespace that is not enrolled.
@@ -277,17 +301,23 @@ pub enum Counter {
     IngressIpv6ExtSeen,
     /// SYNs of ztunnel's own transparent legs to an application, left to the normal lookup.
     LookupLegPassed,
+    /// Connects by a pod socket that carries ztunnel's mark (`mark & 0xfff == 0x539`) but is not ztunnel's: captured like any other (a pod cannot exempt itself).
+    ConnectForgedMark,
+    /// TCP packets leaving an enrolled pod's `eth0` from a socket that is not a TCP socket (raw or packet sockets): dropped by `guard_egress`.
+    EgressForeignTcpDropped,
+    /// IPv4 fragments and IPv6 packets whose transport is hidden (fragment header, too many extension headers) from such a socket: dropped by `guard_egress`.
+    EgressHiddenDropped,
 }
 
 impl Counter {
     /// Number of counters (the array's size).
-    pub const COUNT: u32 = Self::LookupLegPassed as u32 + 1;
+    pub const COUNT: u32 = Self::EgressHiddenDropped as u32 + 1;
     /// All counters, in index order.
     pub const ALL: [Self; Self::COUNT as usize] = [
         Self::Connect4Seen,
         Self::Connect6Seen,
         Self::ConnectRedirected,
-        Self::ConnectSkippedMark,
+        Self::ConnectSkippedOwn,
         Self::ConnectExcluded,
         Self::ConnectNotEnrolled,
         Self::PeernameRestored,
@@ -308,6 +338,9 @@ impl Counter {
         Self::IngressFragmentSeen,
         Self::IngressIpv6ExtSeen,
         Self::LookupLegPassed,
+        Self::ConnectForgedMark,
+        Self::EgressForeignTcpDropped,
+        Self::EgressHiddenDropped,
     ];
 
     /// Snake-case name used in metrics and dumps.
@@ -317,7 +350,7 @@ impl Counter {
             Self::Connect4Seen => "connect4_seen",
             Self::Connect6Seen => "connect6_seen",
             Self::ConnectRedirected => "connect_redirected",
-            Self::ConnectSkippedMark => "connect_skipped_mark",
+            Self::ConnectSkippedOwn => "connect_skipped_own",
             Self::ConnectExcluded => "connect_excluded",
             Self::ConnectNotEnrolled => "connect_not_enrolled",
             Self::PeernameRestored => "peername_restored",
@@ -338,6 +371,9 @@ impl Counter {
             Self::IngressFragmentSeen => "ingress_fragment_seen",
             Self::IngressIpv6ExtSeen => "ingress_ipv6_ext_seen",
             Self::LookupLegPassed => "lookup_leg_passed",
+            Self::ConnectForgedMark => "connect_forged_mark",
+            Self::EgressForeignTcpDropped => "egress_foreign_tcp_dropped",
+            Self::EgressHiddenDropped => "egress_hidden_dropped",
         }
     }
 }
@@ -354,4 +390,5 @@ mod pod_impls {
     unsafe impl aya::Pod for super::ListenerKey {}
     unsafe impl aya::Pod for super::LegKey {}
     unsafe impl aya::Pod for super::CaptureSettings {}
+    unsafe impl aya::Pod for super::ZtunnelSocket {}
 }

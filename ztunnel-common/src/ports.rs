@@ -10,17 +10,19 @@ pub const INBOUND_HBONE_PORT: u16 = 15008;
 pub const SOCKS5_PORT: u16 = 15080;
 
 /// `SO_MARK` carried by every socket ztunnel opens on behalf of a pod.
-/// The capture programs let marked sockets through untouched, which is what
-/// keeps ztunnel's own connections from being redirected back to itself.
 /// Istio's in-pod ztunnel uses the same value (0x539 = 1337), so operators'
-/// existing rules that key on it keep working.
+/// existing rules that key on it keep working, and the iptables and
+/// istio-cni modes (whose rules can see nothing else) exempt it from
+/// capture. The eBPF capture does not trust it: a pod can set any mark
+/// (`CAP_NET_RAW`), so ztunnel's own sockets are recognised by their entry
+/// in [`crate::MAP_ZTUNNEL_SOCKETS`] instead.
 pub const ZTUNNEL_MARK: u32 = 0x539;
-/// The bits of a socket mark that identify ztunnel's sockets: a socket whose
-/// `mark & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK` is never captured.
+/// The bits of a socket mark that the iptables and istio-cni modes compare
+/// with [`ZTUNNEL_MARK`] (Istio's `0x539/0xfff`).
 pub const ZTUNNEL_MARK_MASK: u32 = 0xfff;
 /// Mark of ztunnel's transparent sockets towards a pod's applications
 /// (source = the remote client's IP). It carries [`ZTUNNEL_MARK`] in its low
-/// bits (so it is not captured) plus [`INBOUND_REPLY_BIT`]: with
+/// bits (what the iptables modes exempt) plus [`INBOUND_REPLY_BIT`]: with
 /// `tcp_fwmark_accept=1` the application's accepted socket inherits the
 /// mark, and an `ip rule fwmark INBOUND_REPLY_BIT lookup` [`REPLY_ROUTE_TABLE`]
 /// routes its replies back to ztunnel over `lo` instead of out of `eth0`.

@@ -2,7 +2,7 @@
 //!
 //! | program                | hook                          | reads                                       | writes                                  |
 //! |------------------------|-------------------------------|---------------------------------------------|-----------------------------------------|
-//! | `capture_connect4/6`   | `cgroup/connect4`/`6`         | `POD_CAPTURE`, exclusions, socket mark      | `ORIG_DST_BY_SOCKET`, the destination   |
+//! | `capture_connect4/6`   | `cgroup/connect4`/`6`         | `POD_CAPTURE`, `ZTUNNEL_SOCKETS`, exclusions | `ORIG_DST_BY_SOCKET`, the destination  |
 //! | `capture_getpeername4/6` | `cgroup/getpeername4`/`6`   | `ORIG_DST_BY_SOCKET`                        | the address `getpeername()` returns     |
 //! | `capture_sockops`      | `sockops` (cgroup)            | `ORIG_DST_BY_SOCKET`, `CAPTURE_SETTINGS`    | `ORIG_DST`, `LOCAL_LEG_SOCKETS`         |
 //! | `accelerate_local_leg` | `sk_msg` on the sockhash      | `LOCAL_LEG_SOCKETS`                         | (redirects payload)                     |

@@ -13,6 +13,7 @@ use aya_ebpf::{
 use ztunnel_common::{
     CaptureSettings, Counter, IpBytes, LegKey, ListenerKey, MAX_EXCLUSIONS, MAX_LOCAL_LEG_SOCKETS,
     MAX_PENDING_CONNECTIONS, MAX_POD_LISTENERS, MAX_PODS, OrigDst, OrigDstKey, PodCapture, SockKey,
+    ZTUNNEL_SOCKET_OWN, ZtunnelSocket,
 };
 
 /// `BPF_F_NO_PREALLOC`: LPM tries require it.
@@ -23,6 +24,22 @@ pub static POD_CAPTURE: HashMap<u64, PodCapture> = HashMap::pinned(MAX_PODS, 0);
 
 #[btf_map(name = "ORIG_DST_BY_SOCKET")]
 pub static ORIG_DST_BY_SOCKET: PinnedSkStorage<OrigDst> = PinnedSkStorage::new();
+
+/// Pinned like every map: during an upgrade the old and the new ztunnel
+/// write to, and their programs read, the same one.
+#[btf_map(name = "ZTUNNEL_SOCKETS")]
+pub static ZTUNNEL_SOCKETS: PinnedSkStorage<ZtunnelSocket> = PinnedSkStorage::new();
+
+/// Whether ztunnel listed socket `sk` as its own. Only userspace writes the
+/// map, and no program asks it to create an entry, so a pod cannot.
+///
+/// # Safety
+/// As for [`PinnedSkStorage::get`].
+#[inline(always)]
+pub unsafe fn is_ztunnel_socket(sk: *mut core::ffi::c_void) -> bool {
+    // SAFETY: forwarded from the caller.
+    unsafe { ZTUNNEL_SOCKETS.get(sk) }.is_some_and(|s| s.owner == ZTUNNEL_SOCKET_OWN)
+}
 
 #[map(name = "ORIG_DST")]
 pub static ORIG_DST: HashMap<OrigDstKey, OrigDst> = HashMap::pinned(MAX_PENDING_CONNECTIONS, 0);

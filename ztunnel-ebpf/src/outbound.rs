@@ -2,9 +2,12 @@
 //!
 //! Runs on every `connect()` made by a process in the attached cgroup (or
 //! below it). A TCP connect from an enrolled pod's network namespace, to a
-//! destination that is not loopback or excluded, by a socket that does not
-//! carry ztunnel's mark, is rewritten to the pod's own outbound listener on
-//! loopback (127.0.0.1:15001, or `[::1]:15001`). The original destination is
+//! destination that is not loopback or excluded, by a socket that ztunnel
+//! did not open itself, is rewritten to the pod's own outbound listener on
+//! loopback (127.0.0.1:15001, or `[::1]:15001`). ztunnel's own sockets are
+//! the ones it listed in `ZTUNNEL_SOCKETS`, never those that merely carry its
+//! mark: a pod with `CAP_NET_RAW` (a container runtime's default) can set any
+//! mark. The original destination is
 //! stored in the socket's own storage (`ORIG_DST_BY_SOCKET`), which lives
 //! exactly as long as the socket; `capture_sockops` copies it to a key that
 //! ztunnel can compute from `accept()` once the client's port is known.
@@ -24,7 +27,7 @@ use ztunnel_common::{
 use crate::{
     maps::{
         ORIG_DST_BY_SOCKET, OUTBOUND_EXCLUDED_CIDRS, OUTBOUND_EXCLUDED_PORTS, POD_CAPTURE, count,
-        in_cidrs, port_listed,
+        in_cidrs, is_ztunnel_socket, port_listed,
     },
     net::{ip4_key, ip6_key, is_loopback, is_v4_mapped},
 };
@@ -96,8 +99,8 @@ unsafe fn classify(
         return None;
     }
     // SAFETY: `sk` is non-null and a full socket in connect hooks.
-    if unsafe { (*sk).mark } & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
-        count(Counter::ConnectSkippedMark);
+    if unsafe { is_ztunnel_socket(sk.cast()) } {
+        count(Counter::ConnectSkippedOwn);
         return None;
     }
 
@@ -111,6 +114,12 @@ unsafe fn classify(
     if pod.flags & POD_CAPTURE_OUTBOUND == 0 {
         count(Counter::ConnectNotEnrolled);
         return None;
+    }
+    // Counted only: the mark exempts nothing here, but an operator should
+    // see a pod trying (or a tool of theirs that relied on it).
+    // SAFETY: `sk` is non-null and a full socket in connect hooks.
+    if unsafe { (*sk).mark } & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
+        count(Counter::ConnectForgedMark);
     }
 
     // SAFETY: `sa` is the live context.

@@ -64,6 +64,8 @@ pub struct Settings {
     pub exclusions: Exclusions,
     /// Enrolment socket path ztunnel listens on (None: disabled).
     pub enrol_socket: Option<PathBuf>,
+    /// Who besides root may use the enrolment socket.
+    pub enrol_peers: enrol::zds::AllowedPeers,
     /// Records of the pods ztunnel-cni enrolled, enrolled again at start
     /// (None: not read).
     pub cni_state_dir: Option<PathBuf>,
@@ -402,7 +404,8 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     }
     let socket_file = match &settings.enrol_socket {
         Some(socket) => {
-            let file = enrol::zds::serve(socket, Arc::clone(&registry))?;
+            let file =
+                enrol::zds::serve(socket, Arc::clone(&registry), settings.enrol_peers.clone())?;
             tracing::info!(socket = %socket.display(), "enrolment socket listening");
             Some(file)
         }

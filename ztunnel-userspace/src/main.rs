@@ -158,6 +158,11 @@ struct RunArgs {
     /// that path is istio-cni's and ztunnel listens on none unless told.
     #[arg(long, env = "ZTUNNEL_ENROL_SOCKET")]
     enrol_socket: Option<PathBuf>,
+    /// Uids besides root allowed to use the enrolment socket (checked with
+    /// `SO_PEERCRED`; comma-separated). The file itself is mode 0600, so a
+    /// uid listed here also needs the file made reachable to it.
+    #[arg(long, env = "ZTUNNEL_ENROL_UIDS", value_delimiter = ',')]
+    enrol_uid: Vec<u32>,
     /// Folder of the records ztunnel-cni keeps of the pods it enrolled
     /// (its `stateDir`): at start, each pod whose network namespace still
     /// exists is enrolled again, so a restart keeps them captured. Not
@@ -472,6 +477,9 @@ fn settings(args: RunArgs) -> app::Settings {
         enrol_socket: args.enrol_socket.or_else(|| {
             (args.capture != capture::Backend::IstioCni).then(|| zds::DEFAULT_SOCKET.into())
         }),
+        enrol_peers: zds::AllowedPeers {
+            uids: args.enrol_uid,
+        },
         cni_state_dir: (args.capture != capture::Backend::IstioCni).then_some(args.cni_state_dir),
         node_agent_socket: args.node_agent_socket.or_else(|| {
             (args.capture == capture::Backend::IstioCni).then(|| zds::DEFAULT_SOCKET.into())

@@ -169,7 +169,28 @@ enum Cmd {
         /// driven by poll(2) (like an event-loop app).
         #[arg(long, value_enum, default_value_t = Io::Threads)]
         io: Io,
+        /// Set this `SO_MARK` on the socket before connecting (a hostile
+        /// pod forging ztunnel's mark; needs `CAP_NET_RAW`).
+        #[arg(long, value_parser = parse_mark)]
+        mark: Option<u32>,
     },
+}
+
+/// A mark in decimal or `0x` hex.
+fn parse_mark(s: &str) -> Result<u32, String> {
+    s.strip_prefix("0x")
+        .map_or_else(|| s.parse(), |hex| u32::from_str_radix(hex, 16))
+        .map_err(|e| format!("{s:?}: {e}"))
+}
+
+/// How the client reaches its target.
+struct Dial {
+    /// Seconds before giving up on connecting.
+    connect_timeout: u64,
+    /// Through this SOCKS5 proxy, optionally asking for a name.
+    socks: Option<(SocketAddr, Option<String>)>,
+    /// `SO_MARK` to set first.
+    mark: Option<u32>,
 }
 
 /// FNV-1a, streaming.
@@ -245,17 +266,14 @@ fn main() -> ExitCode {
             via_socks,
             target_name,
             io,
+            mark,
         } => {
-            let socks = via_socks.map(|proxy| (proxy, target_name));
-            client(
-                connect,
-                bytes,
-                chunk,
-                mode,
-                (timeout, connect_timeout),
-                io,
-                socks,
-            )
+            let dial = Dial {
+                connect_timeout,
+                socks: via_socks.map(|proxy| (proxy, target_name)),
+                mark,
+            };
+            client(connect, bytes, chunk, mode, timeout, io, dial)
         }
     }
 }
@@ -335,18 +353,32 @@ fn serve(mut stream: TcpStream, mode: Mode) {
     let _ = stream.shutdown(Shutdown::Write);
 }
 
+/// A connect from a socket carrying `mark`.
+fn marked_connect(addr: SocketAddr, mark: u32, timeout: u64) -> std::io::Result<TcpStream> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    socket.set_mark(mark)?;
+    socket.connect_timeout(&addr.into(), Duration::from_secs(timeout))?;
+    Ok(socket.into())
+}
+
 fn client(
     addr: SocketAddr,
     bytes: u64,
     chunk: usize,
     mode: Mode,
-    (timeout, connect_timeout): (u64, u64),
+    timeout: u64,
     io: Io,
-    socks: Option<(SocketAddr, Option<String>)>,
+    dial: Dial,
 ) -> ExitCode {
-    let stream = match socks {
-        Some((proxy, name)) => socks_connect(proxy, addr, name.as_deref(), connect_timeout),
-        None => TcpStream::connect_timeout(&addr, Duration::from_secs(connect_timeout)),
+    let connect_timeout = dial.connect_timeout;
+    let stream = match (dial.socks, dial.mark) {
+        (Some((proxy, name)), _) => socks_connect(proxy, addr, name.as_deref(), connect_timeout),
+        (None, Some(mark)) => marked_connect(addr, mark, connect_timeout),
+        (None, None) => TcpStream::connect_timeout(&addr, Duration::from_secs(connect_timeout)),
     };
     let stream = match stream {
         Ok(s) => s,

@@ -5,12 +5,13 @@ use std::net::{IpAddr, SocketAddr};
 
 use aya::{
     Ebpf,
-    maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
+    maps::{HashMap, LpmTrie, MapData, SkStorage, lpm_trie::Key},
 };
 use ztunnel_common::{
     IpBytes, LegKey, MAP_INBOUND_EXCLUDED_CIDRS, MAP_INBOUND_EXCLUDED_PORTS, MAP_INBOUND_LEGS,
     MAP_ORIG_DST, MAP_OUTBOUND_EXCLUDED_CIDRS, MAP_OUTBOUND_EXCLUDED_PORTS, MAP_POD_CAPTURE,
-    OrigDst, OrigDstKey, PodCapture, v4_mapped,
+    MAP_ZTUNNEL_SOCKETS, OrigDst, OrigDstKey, PodCapture, ZTUNNEL_SOCKET_OWN, ZtunnelSocket,
+    v4_mapped,
 };
 
 use super::{CaptureError, map_err};
@@ -293,6 +294,48 @@ impl InboundLegTable {
         map.insert(key, 1, 0)
             .map_err(|e| map_err(MAP_INBOUND_LEGS, format!("{source} -> {dst}: {e}")))?;
         Ok(ListedLeg { table: self, key })
+    }
+}
+
+/// `ZTUNNEL_SOCKETS`: the kernel's list of the sockets ztunnel opened in
+/// pods, the only thing `capture_connect4/6` let through uncaptured.
+pub struct OwnSocketTable {
+    map: std::sync::Mutex<SkStorage<MapData, ZtunnelSocket>>,
+}
+
+impl std::fmt::Debug for OwnSocketTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OwnSocketTable")
+    }
+}
+
+impl OwnSocketTable {
+    /// Takes the map out of `ebpf`.
+    pub fn take(ebpf: &mut Ebpf) -> Result<Self, CaptureError> {
+        let map = ebpf
+            .take_map(MAP_ZTUNNEL_SOCKETS)
+            .ok_or_else(|| map_err(MAP_ZTUNNEL_SOCKETS, "not in the object"))?;
+        let map = SkStorage::try_from(map).map_err(|e| map_err(MAP_ZTUNNEL_SOCKETS, e))?;
+        Ok(Self {
+            map: std::sync::Mutex::new(map),
+        })
+    }
+
+    /// Lists `socket` as ztunnel's, before it connects. An error means it
+    /// must not connect: its connect would be captured back to ztunnel.
+    pub fn list(&self, socket: &impl std::os::fd::AsRawFd) -> Result<(), CaptureError> {
+        let mut map = self
+            .map
+            .lock()
+            .map_err(|_| map_err(MAP_ZTUNNEL_SOCKETS, "lock poisoned"))?;
+        map.insert(
+            socket,
+            ZtunnelSocket {
+                owner: ZTUNNEL_SOCKET_OWN,
+            },
+            0,
+        )
+        .map_err(|e| map_err(MAP_ZTUNNEL_SOCKETS, e))
     }
 }
 

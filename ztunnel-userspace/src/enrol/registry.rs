@@ -17,7 +17,7 @@ use crate::{
     capture::{
         CaptureError,
         lookup::{self, InboundListener},
-        maps::{self, InboundLegTable, OrigDstTable},
+        maps::{self, InboundLegTable, OrigDstTable, OwnSocketTable},
         tc::{self, PodIngress, TcMode},
     },
     hbone::server::HboneServer,
@@ -30,7 +30,7 @@ use crate::{
         listeners::{self, ListenError},
         outbound::{self, OutboundContext},
         pod_routing,
-        socket_factory::SocketFactory,
+        socket_factory::{SocketFactory, SocketTables},
     },
     state::CaptureOptOut,
 };
@@ -174,7 +174,7 @@ pub struct PodRegistry {
     pins: PinRoot,
     tc_mode: TcMode,
     orig_dst: Option<Arc<Mutex<OrigDstTable>>>,
-    legs: Option<Arc<InboundLegTable>>,
+    tables: SocketTables,
     pods: Mutex<BTreeMap<String, EnrolledPod>>,
     /// Pods that are wanted but whose enrolment failed, by uid.
     failed: Mutex<BTreeMap<String, FailedPod>>,
@@ -209,23 +209,26 @@ impl PodRegistry {
         backend: crate::capture::Backend,
         exclusions: crate::capture::maps::Exclusions,
     ) -> Result<Self, CaptureError> {
-        let (orig_dst, legs) = match programs.as_mut() {
+        let (orig_dst, tables) = match programs.as_mut() {
             Some(p) => (
                 Some(Arc::new(Mutex::new(OrigDstTable::take(&mut p.ebpf)?))),
                 if backend == crate::capture::Backend::Ebpf {
-                    Some(Arc::new(InboundLegTable::take(&mut p.ebpf)?))
+                    SocketTables {
+                        legs: Some(Arc::new(InboundLegTable::take(&mut p.ebpf)?)),
+                        own: Some(Arc::new(OwnSocketTable::take(&mut p.ebpf)?)),
+                    }
                 } else {
-                    None
+                    SocketTables::default()
                 },
             ),
-            None => (None, None),
+            None => (None, SocketTables::default()),
         };
         Ok(Self {
             programs: Mutex::new(programs),
             pins,
             tc_mode,
             orig_dst,
-            legs,
+            tables,
             pods: Mutex::new(BTreeMap::new()),
             failed: Mutex::new(BTreeMap::new()),
             changes: Mutex::new(()),
@@ -355,7 +358,7 @@ impl PodRegistry {
         // exists); Istio's CA is asked in the background.
         self.shared.certs.prefetch(&req.identity);
         // The listeners close when dropped.
-        let sockets = SocketFactory::new(&req.netns, self.legs.clone()).map_err(io)?;
+        let sockets = SocketFactory::new(&req.netns, self.tables.clone()).map_err(io)?;
         let listeners = listeners::open(&req.netns).map_err(|e| EnrolError::Listen {
             uid: uid.clone(),
             source: Box::new(e),
@@ -788,7 +791,7 @@ impl PodRegistry {
                 }
             }
         }
-        if let Some(legs) = &self.legs {
+        if let Some(legs) = &self.tables.legs {
             removed += legs.remove_left_at_start();
         }
         if removed > 0 {

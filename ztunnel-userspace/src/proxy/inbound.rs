@@ -110,7 +110,13 @@ async fn plaintext(
     let service = state
         .inbound_service(&ctx.pod, dst.port(), None)
         .map(crate::telemetry::connection::ServiceRef::from);
-    let src = state.endpoint(client);
+    // The source workload is whatever holds the client's address; its
+    // identity is not known, only claimed by that address, so plaintext
+    // carries none in logs, metrics or policy (as in Istio's ztunnel).
+    let src = crate::telemetry::Endpoint {
+        identity: None,
+        ..state.endpoint(client)
+    };
     let mut dst_end = state.endpoint(dst);
     dst_end.identity = Some(ctx.identity.to_string());
     let peer = crate::state::policy::Peer {

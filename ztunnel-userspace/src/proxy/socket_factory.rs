@@ -28,15 +28,29 @@ use nix::sched::{CloneFlags, setns};
 use socket2::{Domain, Protocol, Socket, Type};
 use ztunnel_common::{INBOUND_MARK, ZTUNNEL_MARK};
 
-use crate::{capture::maps::InboundLegTable, netns::PodNetns};
+use crate::{
+    capture::maps::{InboundLegTable, OwnSocketTable},
+    netns::PodNetns,
+};
+
+/// The kernel tables that ztunnel's pod sockets are listed in under eBPF
+/// capture (none with the iptables and istio-cni backends, whose rules
+/// recognise ztunnel's sockets by their mark alone).
+#[derive(Debug, Clone, Default)]
+pub struct SocketTables {
+    /// Where transparent legs are listed while they connect, so that
+    /// `sk_lookup` lets their SYN reach the application.
+    pub legs: Option<Arc<InboundLegTable>>,
+    /// Where every socket ztunnel makes in a pod is listed as its own, so
+    /// that the connect hooks do not capture it.
+    pub own: Option<Arc<OwnSocketTable>>,
+}
 
 /// Makes marked sockets inside one pod's network namespace.
 #[derive(Debug, Clone)]
 pub struct SocketFactory {
     netns: Arc<PodNetns>,
-    /// Where transparent legs are listed while they connect (eBPF capture);
-    /// `None` with the iptables backend, which has no `sk_lookup` to avoid.
-    legs: Option<Arc<InboundLegTable>>,
+    tables: SocketTables,
 }
 
 thread_local! {
@@ -63,15 +77,16 @@ impl Drop for Inside<'_> {
 
 impl SocketFactory {
     /// A factory for the pod whose namespace is `netns`.
-    pub fn new(netns: &PodNetns, legs: Option<Arc<InboundLegTable>>) -> std::io::Result<Self> {
+    pub fn new(netns: &PodNetns, tables: SocketTables) -> std::io::Result<Self> {
         Ok(Self {
             netns: Arc::new(netns.try_clone()?),
-            legs,
+            tables,
         })
     }
 
-    /// A fresh, unconnected, non-blocking TCP socket inside the pod, marked;
-    /// with `source`, transparent and bound to that (foreign) address.
+    /// A fresh, unconnected, non-blocking TCP socket inside the pod, marked
+    /// and listed as ztunnel's own; with `source`, transparent and bound to
+    /// that (foreign) address.
     pub fn socket(&self, v6: bool, source: Option<std::net::IpAddr>) -> std::io::Result<TcpStream> {
         HOME.with(|home| {
             let home = if let Some(fd) = home.get() {
@@ -91,7 +106,11 @@ impl SocketFactory {
             // bind work on the socket wherever the thread is.
             let socket = new_socket(v6);
             drop(inside);
-            configure(socket?, source)
+            let socket = socket?;
+            if let Some(own) = &self.tables.own {
+                own.list(&socket).map_err(std::io::Error::other)?;
+            }
+            configure(socket, source)
         })
     }
 
@@ -120,7 +139,7 @@ impl SocketFactory {
         // A transparent leg's SYN looks like the client's own to the pod's
         // `sk_lookup` program; list it so it reaches the application rather
         // than ztunnel again. Unlisted, it must not connect at all.
-        let listed = match (&self.legs, source) {
+        let listed = match (&self.tables.legs, source) {
             (Some(legs), Some(_)) => {
                 let bound = std_stream.local_addr()?;
                 Some(
@@ -225,7 +244,7 @@ mod tests {
         }
         let pod = scratch_netns();
         let home = thread_netns();
-        let factory = SocketFactory::new(&pod, None).expect("factory");
+        let factory = SocketFactory::new(&pod, SocketTables::default()).expect("factory");
         for v6 in [false, true] {
             let socket = factory.socket(v6, None).expect("socket");
             assert_eq!(
@@ -243,7 +262,7 @@ mod tests {
                 .expect("uts")
                 .into(),
         );
-        let err = SocketFactory::new(&bogus, None)
+        let err = SocketFactory::new(&bogus, SocketTables::default())
             .expect("factory")
             .socket(false, None)
             .expect_err("uts is not a network namespace");

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 
 pub use crate::proto::zds::*;
 pub use client::{CLIENT_TIMEOUT, request, request_within};
-pub use server::{SocketFile, serve};
+pub use server::{AllowedPeers, SocketFile, serve};
 
 /// Default path of the socket: where Istio's node agent listens
 /// (`INPOD_UDS`), and where ztunnel listens in local mode.
