@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use ztunnel::{
     bpffs::PinRoot,
-    capture::{self, tc::TcMode},
+    capture::{
+        self,
+        tc::{TcHook, TcMode},
+    },
     loader,
     netns::PodNetns,
 };
@@ -38,6 +41,7 @@ fn tcx_refused_by_name() {
         "pod",
         "eth0",
         TcMode::Tcx,
+        TcHook::Ingress,
     )
     .expect_err("tcx attach must be refused on a kernel without tcx");
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
@@ -101,8 +105,16 @@ fn attach_count_detach(mode: TcMode) {
     capture::cgroup::attach(&mut programs.ebpf, &pins, client.cgroup(), false)
         .expect("attach cgroup programs");
     let netns = PodNetns::open(&client.netns_path()).expect("open pod netns");
-    let ingress = capture::tc::attach(&mut programs.ebpf, &pins, &netns, "client", "eth0", mode)
-        .expect("attach TC");
+    let ingress = capture::tc::attach(
+        &mut programs.ebpf,
+        &pins,
+        &netns,
+        "client",
+        "eth0",
+        mode,
+        TcHook::Ingress,
+    )
+    .expect("attach TC");
     if mode == TcMode::Tcx {
         assert_eq!(
             tcx_ingress_programs(&client.netns_path()),
@@ -235,8 +247,16 @@ fn foreign_filter_survives(mode: TcMode) {
     let pins = PinRoot::prepare(&cluster.bpffs().path().join("ztunnel")).expect("pin root");
     let mut programs = loader::load(&pins).expect("load");
     let netns = PodNetns::open(&pod.netns_path()).expect("open netns");
-    let ingress = capture::tc::attach(&mut programs.ebpf, &pins, &netns, "pod", "eth0", mode)
-        .expect("attach");
+    let ingress = capture::tc::attach(
+        &mut programs.ebpf,
+        &pins,
+        &netns,
+        "pod",
+        "eth0",
+        mode,
+        TcHook::Ingress,
+    )
+    .expect("attach");
     assert!(foreign(pod.netns()), "foreign filter gone after attach");
     capture::tc::detach(&netns, &ingress).expect("detach");
     assert!(foreign(pod.netns()), "foreign filter gone after detach");

@@ -641,3 +641,90 @@ fn plaintext_is_never_given_the_identity_of_its_source_address() {
         "plaintext counted under the impostor's identity: {opened:?}"
     );
 }
+
+/// A root process in a meshed pod needs no `connect()` to send TCP: with
+/// `CAP_NET_RAW` it writes the SYN and the data itself on a raw IP socket.
+/// The pod's egress guard drops them (plain, as IPv4 fragments, behind an
+/// IPv6 extension header), towards a meshed PERMISSIVE pod (which would
+/// take plaintext) and towards an address the mesh does not know (closed
+/// under `REGISTRY_ONLY`). The same sessions from a pod outside the mesh
+/// get through, so the tool works and a refusal means something.
+#[test]
+fn raw_sockets_in_a_meshed_pod_cannot_send_tcp_around_ztunnel() {
+    if !require_root("raw_sockets_in_a_meshed_pod_cannot_send_tcp_around_ztunnel") {
+        return;
+    }
+    let s = setup("outboundTrafficPolicy: REGISTRY_ONLY\n");
+    let (client, attacker, open, stranger) = (
+        s.cluster.pod("client"),
+        s.cluster.pod("attacker"),
+        s.cluster.pod("open"),
+        s.cluster.pod("stranger"),
+    );
+    let cases: [(&str, bool, &Pod, Counter); 5] = [
+        ("plain", false, stranger, Counter::EgressForeignTcpDropped),
+        ("frag4", false, stranger, Counter::EgressHiddenDropped),
+        ("plain", true, stranger, Counter::EgressForeignTcpDropped),
+        (
+            "destopts6",
+            true,
+            stranger,
+            Counter::EgressForeignTcpDropped,
+        ),
+        ("plain", false, open, Counter::EgressForeignTcpDropped),
+    ];
+    for (mode, v6, target_pod, dropped) in cases {
+        let (target, client_ip, attacker_ip): (SocketAddr, std::net::IpAddr, std::net::IpAddr) =
+            if v6 {
+                (
+                    sa(target_pod.ip6, APP_PORT),
+                    client.ip6.into(),
+                    attacker.ip6.into(),
+                )
+            } else {
+                (
+                    sa(target_pod.ip, APP_PORT),
+                    client.ip.into(),
+                    attacker.ip.into(),
+                )
+            };
+        let mut server = flows::server(target_pod, target, "echo");
+        if target_pod.name == "stranger" {
+            let reached = raw_session(attacker, attacker_ip, target, mode);
+            assert_eq!(
+                reached["data"].as_str(),
+                Some("HELLO\n"),
+                "{mode} control from outside the mesh: {reached}"
+            );
+            assert_eq!(accepts(&mut server).len(), 1, "{mode} control");
+        }
+
+        let before = s.z.counters();
+        let got = raw_session(client, client_ip, target, mode);
+        let after = s.z.counters();
+        assert_eq!(
+            got["syn_ack"].as_bool(),
+            Some(false),
+            "{mode} raw SYN from a meshed pod to {target} was answered: {got}"
+        );
+        assert!(
+            !got["data"].as_str().unwrap_or_default().contains("HELLO"),
+            "{mode} raw session from a meshed pod reached {target}: {got}"
+        );
+        let accepted = accepts(&mut server);
+        assert!(
+            accepted.is_empty(),
+            "{mode} to {target}: accepted {accepted:?}"
+        );
+        assert!(
+            after.get(dropped) > before.get(dropped),
+            "{mode} to {target}: not counted as {dropped:?}: {after:?}"
+        );
+    }
+    // What the guard lets through is untouched: the pod's ordinary
+    // connections, captured and carried by ztunnel, and the kernel's own
+    // answers to the attacker's handshakes above.
+    let dst = sa(open.ip, APP_PORT);
+    let _server = flows::server(open, dst, "echo");
+    flows::assert_ok(&flows::client(client, dst, &flows::ClientRun::default()));
+}

@@ -8,12 +8,14 @@
 //! | `accelerate_local_leg` | `sk_msg` on the sockhash      | `LOCAL_LEG_SOCKETS`                         | (redirects payload)                     |
 //! | `capture_lookup`       | `sk_lookup` in each pod netns | `POD_LISTENERS`, exclusions                 | the listener a new connection goes to   |
 //! | `capture_ingress`      | TC ingress on pod `eth0`      | packet headers                              | counters only                           |
+//! | `guard_egress`         | TC egress on pod `eth0`       | the packet's socket, packet headers         | drops TCP that no TCP socket sent       |
 //!
-//! Every program counts what it did in `CAPTURE_COUNTERS`. Two refuse on
+//! Every program counts what it did in `CAPTURE_COUNTERS`. Three refuse on
 //! purpose, to fail closed: `capture_connect4/6` refuse a connect whose
-//! original destination cannot be stored, and `capture_lookup` drops a new
+//! original destination cannot be stored, `capture_lookup` drops a new
 //! inbound connection of an enrolled pod when ztunnel has no listener for
-//! it. Nothing else is rejected or dropped.
+//! it, and `guard_egress` drops TCP that a raw or packet socket of the pod
+//! sends around the connect hooks. Nothing else is rejected or dropped.
 #![no_std]
 #![no_main]
 // aya's program macros hand each program its context by value.
@@ -24,6 +26,7 @@
 #![allow(clippy::inline_always)]
 
 mod accel;
+mod egress;
 mod inbound;
 mod lookup;
 mod maps;

@@ -41,6 +41,8 @@ pub mod program {
     pub const SK_MSG: &str = "accelerate_local_leg";
     /// TC ingress on pod `eth0` (counters only).
     pub const INGRESS: &str = "capture_ingress";
+    /// TC egress guard (pod `eth0`).
+    pub const EGRESS: &str = "guard_egress";
     /// `sk_lookup` in each enrolled pod's network namespace.
     pub const LOOKUP: &str = "capture_lookup";
 }
@@ -182,11 +184,11 @@ pub fn load(pins: &PinRoot) -> Result<KernelPrograms, LoaderError> {
         name: program::SK_MSG,
         source,
     })?;
-    let prog: &mut SchedClassifier = program_mut(&mut ebpf, program::INGRESS)?;
-    prog.load().map_err(|source| LoaderError::Program {
-        name: program::INGRESS,
-        source,
-    })?;
+    for name in [program::INGRESS, program::EGRESS] {
+        let prog: &mut SchedClassifier = program_mut(&mut ebpf, name)?;
+        prog.load()
+            .map_err(|source| LoaderError::Program { name, source })?;
+    }
     let prog: &mut SkLookup = program_mut(&mut ebpf, program::LOOKUP)?;
     prog.load().map_err(|source| LoaderError::Program {
         name: program::LOOKUP,

@@ -18,7 +18,7 @@ use crate::{
         CaptureError,
         lookup::{self, InboundListener},
         maps::{self, InboundLegTable, OrigDstTable, OwnSocketTable},
-        tc::{self, PodIngress, TcMode},
+        tc::{self, PodTc, TcHook, TcMode},
     },
     hbone::server::HboneServer,
     identity::Identity,
@@ -130,7 +130,8 @@ struct EnrolledPod {
     ips: Vec<std::net::IpAddr>,
     source: Source,
     netns: PodNetns,
-    ingress: Option<PodIngress>,
+    /// TC attachments, in the order they were made.
+    tc: Vec<PodTc>,
     lookup: Option<PodLookup>,
     tasks: Vec<AbortHandle>,
 }
@@ -385,19 +386,19 @@ impl PodRegistry {
             });
         }
         let ebpf = backend == crate::capture::Backend::Ebpf;
-        let (ingress, lookup) = if ebpf {
+        let (tc, lookup) = if ebpf {
             let mut programs = self.kernel()?;
             let programs = programs.as_mut().ok_or(EnrolError::NoPrograms)?;
             self.attach_kernel(&mut programs.ebpf, &req, cookie, flags, &ips, &listeners)
                 .map_err(capture_err)?
         } else {
-            (None, None)
+            (Vec::new(), None)
         };
         if ebpf {
             let netns = req.netns.try_clone().map_err(io)?;
-            let (ingress, lookup) = (ingress.clone(), lookup.clone());
+            let (tc, lookup) = (tc.clone(), lookup.clone());
             rollback.push("kernel attachments", move || {
-                self.detach_kernel(&netns, cookie, ingress.as_ref(), lookup.as_ref(), kept)
+                self.detach_kernel(&netns, cookie, &tc, lookup.as_ref(), kept)
             });
         }
 
@@ -432,7 +433,7 @@ impl PodRegistry {
             ips: context.ips.clone(),
             source: req.source,
             netns: req.netns,
-            ingress,
+            tc,
             lookup,
             tasks,
         };
@@ -447,7 +448,7 @@ impl PodRegistry {
         &self,
         netns: &PodNetns,
         cookie: u64,
-        ingress: Option<&PodIngress>,
+        tc: &[PodTc],
         lookup: Option<&PodLookup>,
         kept: bool,
     ) -> Result<(), String> {
@@ -470,15 +471,17 @@ impl PodRegistry {
             lookup::detach(&lookup.pin).map_err(text)?;
         }
         drop(guard);
-        if let Some(ingress) = ingress {
-            tc::detach(netns, ingress).map_err(text)?;
+        for attached in tc.iter().rev() {
+            tc::detach(netns, attached).map_err(text)?;
         }
         Ok(())
     }
 
-    /// The kernel side of an enrolment, all or nothing: the listeners are
-    /// published and `sk_lookup` attached (inbound), the counting TC program
-    /// attached, and the namespace marked in `POD_CAPTURE` (outbound). A
+    /// The kernel side of an enrolment, all or nothing: the egress guard
+    /// attached (outbound), the listeners published and `sk_lookup`
+    /// attached, the counting TC program attached (inbound), and the
+    /// namespace marked in `POD_CAPTURE` (outbound), in that order, so the
+    /// pod's raw sockets are guarded before its connects are captured. A
     /// step that fails undoes the ones before it, so a half-enrolled pod
     /// never keeps programs that no registry entry will remove.
     fn attach_kernel(
@@ -489,11 +492,71 @@ impl PodRegistry {
         flags: u32,
         ips: &[std::net::IpAddr],
         listeners: &listeners::PodListeners,
-    ) -> Result<(Option<PodIngress>, Option<PodLookup>), CaptureError> {
-        if !req.capture.inbound {
-            maps::set_pod(ebpf, cookie, flags)?;
-            return Ok((None, None));
+    ) -> Result<(Vec<PodTc>, Option<PodLookup>), CaptureError> {
+        let mut tc = Vec::new();
+        let undo_tc = |tc: &[PodTc]| {
+            for attached in tc.iter().rev() {
+                let _ = tc::detach(&req.netns, attached);
+            }
+        };
+        let attach_tc = |ebpf: &mut aya::Ebpf, hook| {
+            tc::attach(
+                ebpf,
+                &self.pins,
+                &req.netns,
+                &req.uid,
+                POD_INTERFACE,
+                self.tc_mode,
+                hook,
+            )
+        };
+        if req.capture.outbound {
+            tc.push(attach_tc(ebpf, TcHook::Egress)?);
         }
+        let lookup = if req.capture.inbound {
+            match self.attach_inbound(ebpf, req, ips, listeners) {
+                Ok(lookup) => Some(lookup),
+                Err(e) => {
+                    undo_tc(&tc);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        let undo_lookup = |ebpf: &mut aya::Ebpf| {
+            if let Some(lookup) = &lookup {
+                let _ = lookup::detach(&lookup.pin);
+                let _ = lookup::withdraw_listeners(ebpf, &lookup.keys);
+            }
+        };
+        if req.capture.inbound {
+            match attach_tc(ebpf, TcHook::Ingress) {
+                Ok(attached) => tc.push(attached),
+                Err(e) => {
+                    undo_lookup(ebpf);
+                    undo_tc(&tc);
+                    return Err(e);
+                }
+            }
+        }
+        if let Err(e) = maps::set_pod(ebpf, cookie, flags) {
+            undo_tc(&tc);
+            undo_lookup(ebpf);
+            return Err(e);
+        }
+        Ok((tc, lookup))
+    }
+
+    /// Publishes the pod's inbound listeners and attaches its `sk_lookup`
+    /// program; undoes the first if the second fails.
+    fn attach_inbound(
+        &self,
+        ebpf: &mut aya::Ebpf,
+        req: &EnrolRequest,
+        ips: &[std::net::IpAddr],
+        listeners: &listeners::PodListeners,
+    ) -> Result<PodLookup, CaptureError> {
         let inbound: Vec<InboundListener<'_>> = listeners
             .inbound_plaintext
             .iter()
@@ -512,37 +575,13 @@ impl PodRegistry {
             )
             .collect();
         let keys = lookup::publish_listeners(ebpf, ips, &inbound)?;
-        let pin = match lookup::attach(ebpf, &self.pins, &req.netns, &req.uid) {
-            Ok(pin) => pin,
+        match lookup::attach(ebpf, &self.pins, &req.netns, &req.uid) {
+            Ok(pin) => Ok(PodLookup { pin, keys }),
             Err(e) => {
                 let _ = lookup::withdraw_listeners(ebpf, &keys);
-                return Err(e);
+                Err(e)
             }
-        };
-        let undo_lookup = |ebpf: &mut aya::Ebpf| {
-            let _ = lookup::detach(&pin);
-            let _ = lookup::withdraw_listeners(ebpf, &keys);
-        };
-        let ingress = match tc::attach(
-            ebpf,
-            &self.pins,
-            &req.netns,
-            &req.uid,
-            POD_INTERFACE,
-            self.tc_mode,
-        ) {
-            Ok(ingress) => ingress,
-            Err(e) => {
-                undo_lookup(ebpf);
-                return Err(e);
-            }
-        };
-        if let Err(e) = maps::set_pod(ebpf, cookie, flags) {
-            let _ = tc::detach(&req.netns, &ingress);
-            undo_lookup(ebpf);
-            return Err(e);
         }
-        Ok((Some(ingress), Some(PodLookup { pin, keys })))
     }
 
     fn spawn_listeners(
@@ -667,8 +706,8 @@ impl PodRegistry {
                     .map_err(capture_err)?;
             }
         }
-        if let Some(ingress) = &pod.ingress {
-            tc::detach(&pod.netns, ingress).map_err(capture_err)?;
+        for attached in pod.tc.iter().rev() {
+            tc::detach(&pod.netns, attached).map_err(capture_err)?;
         }
         if self.backend == crate::capture::Backend::Iptables
             && let Err(e) = crate::capture::iptables::remove(&pod.netns)
@@ -701,8 +740,9 @@ impl PodRegistry {
                 maps::remove_pod(&mut programs.ebpf, failed.cookie)
                     .map_err(EnrolError::capture(uid))?;
             }
-            for pin in [lookup::pin_name(uid), tc::pin_name(uid)] {
-                let _ = std::fs::remove_file(self.pins.link(&pin));
+            let tc_pins = TcHook::ALL.map(|hook| hook.pin_name(uid));
+            for pin in tc_pins.iter().chain([&lookup::pin_name(uid)]) {
+                let _ = std::fs::remove_file(self.pins.link(pin));
             }
         }
         tracing::info!(pod = %uid, "pod whose enrolment had failed is no longer wanted");
@@ -765,7 +805,13 @@ impl PodRegistry {
         let pins: HashSet<String> = pods
             .keys()
             .chain(failed.keys())
-            .flat_map(|uid| [tc::pin_name(uid), lookup::pin_name(uid)])
+            .flat_map(|uid| {
+                [
+                    TcHook::Ingress.pin_name(uid),
+                    TcHook::Egress.pin_name(uid),
+                    lookup::pin_name(uid),
+                ]
+            })
             .collect();
         drop((pods, failed));
         let mut removed = 0;
@@ -784,7 +830,9 @@ impl PodRegistry {
         if let Ok(entries) = std::fs::read_dir(self.pins.links()) {
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                let per_pod = name.starts_with("tc_") || name.starts_with("lookup_");
+                let per_pod = name.starts_with(tc::PIN_PREFIX_INGRESS)
+                    || name.starts_with(tc::PIN_PREFIX_EGRESS)
+                    || name.starts_with("lookup_");
                 if per_pod && !pins.contains(&name) {
                     let _ = std::fs::remove_file(entry.path());
                     removed += 1;
