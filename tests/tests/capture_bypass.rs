@@ -408,6 +408,18 @@ fn a_full_orig_dst_map_fails_closed() {
 /// (`frag4`: IPv4 fragments of 8 bytes, so the first carries no TCP flags;
 /// `destopts6`: an IPv6 Destination Options header before TCP).
 fn raw_session(pod: &Pod, src: std::net::IpAddr, dst: SocketAddr, mode: &str) -> serde_json::Value {
+    raw_session_via(pod, src, dst, mode, "ip")
+}
+
+/// [`raw_session`], with the packets sent by a raw IP socket (`ip`) or a
+/// packet socket (`packet`).
+fn raw_session_via(
+    pod: &Pod,
+    src: std::net::IpAddr,
+    dst: SocketAddr,
+    mode: &str,
+    via: &str,
+) -> serde_json::Value {
     let mut cmd = pod.command(&sibling_bin("zt-raw"));
     cmd.args([
         "--src",
@@ -418,6 +430,8 @@ fn raw_session(pod: &Pod, src: std::net::IpAddr, dst: SocketAddr, mode: &str) ->
         mode,
         "--timeout-ms",
         "2000",
+        "--via",
+        via,
     ]);
     let done = PodProcess::spawn(&format!("raw-{mode}-{dst}"), cmd).wait(Duration::from_secs(20));
     assert!(done.status.success(), "zt-raw failed: {done:?}");
@@ -643,12 +657,13 @@ fn plaintext_is_never_given_the_identity_of_its_source_address() {
 }
 
 /// A root process in a meshed pod needs no `connect()` to send TCP: with
-/// `CAP_NET_RAW` it writes the SYN and the data itself on a raw IP socket.
-/// The pod's egress guard drops them (plain, as IPv4 fragments, behind an
-/// IPv6 extension header), towards a meshed PERMISSIVE pod (which would
-/// take plaintext) and towards an address the mesh does not know (closed
-/// under `REGISTRY_ONLY`). The same sessions from a pod outside the mesh
-/// get through, so the tool works and a refusal means something.
+/// `CAP_NET_RAW` it writes the SYN and the data itself on a raw IP socket
+/// or a packet socket. The pod's egress guard drops them (plain, as IPv4
+/// fragments, behind an IPv6 extension header), towards a meshed
+/// PERMISSIVE pod (which would take plaintext) and towards an address the
+/// mesh does not know (closed under `REGISTRY_ONLY`). The same sessions
+/// from a pod outside the mesh get through, so the tool works and a
+/// refusal means something.
 #[test]
 fn raw_sockets_in_a_meshed_pod_cannot_send_tcp_around_ztunnel() {
     if !require_root("raw_sockets_in_a_meshed_pod_cannot_send_tcp_around_ztunnel") {
@@ -661,19 +676,17 @@ fn raw_sockets_in_a_meshed_pod_cannot_send_tcp_around_ztunnel() {
         s.cluster.pod("open"),
         s.cluster.pod("stranger"),
     );
-    let cases: [(&str, bool, &Pod, Counter); 5] = [
-        ("plain", false, stranger, Counter::EgressForeignTcpDropped),
-        ("frag4", false, stranger, Counter::EgressHiddenDropped),
-        ("plain", true, stranger, Counter::EgressForeignTcpDropped),
-        (
-            "destopts6",
-            true,
-            stranger,
-            Counter::EgressForeignTcpDropped,
-        ),
-        ("plain", false, open, Counter::EgressForeignTcpDropped),
+    let foreign = Counter::EgressForeignTcpDropped;
+    let cases: [(&str, &str, bool, &Pod, Counter); 7] = [
+        ("plain", "ip", false, stranger, foreign),
+        ("frag4", "ip", false, stranger, Counter::EgressHiddenDropped),
+        ("plain", "ip", true, stranger, foreign),
+        ("destopts6", "ip", true, stranger, foreign),
+        ("plain", "ip", false, open, foreign),
+        ("plain", "packet", false, stranger, foreign),
+        ("destopts6", "packet", true, stranger, foreign),
     ];
-    for (mode, v6, target_pod, dropped) in cases {
+    for (mode, via, v6, target_pod, dropped) in cases {
         let (target, client_ip, attacker_ip): (SocketAddr, std::net::IpAddr, std::net::IpAddr) =
             if v6 {
                 (
@@ -690,26 +703,26 @@ fn raw_sockets_in_a_meshed_pod_cannot_send_tcp_around_ztunnel() {
             };
         let mut server = flows::server(target_pod, target, "echo");
         if target_pod.name == "stranger" {
-            let reached = raw_session(attacker, attacker_ip, target, mode);
+            let reached = raw_session_via(attacker, attacker_ip, target, mode, via);
             assert_eq!(
                 reached["data"].as_str(),
                 Some("HELLO\n"),
-                "{mode} control from outside the mesh: {reached}"
+                "{mode} via {via}: control from outside the mesh: {reached}"
             );
-            assert_eq!(accepts(&mut server).len(), 1, "{mode} control");
+            assert_eq!(accepts(&mut server).len(), 1, "{mode} via {via} control");
         }
 
         let before = s.z.counters();
-        let got = raw_session(client, client_ip, target, mode);
+        let got = raw_session_via(client, client_ip, target, mode, via);
         let after = s.z.counters();
         assert_eq!(
             got["syn_ack"].as_bool(),
             Some(false),
-            "{mode} raw SYN from a meshed pod to {target} was answered: {got}"
+            "{mode} SYN via {via} from a meshed pod to {target} was answered: {got}"
         );
         assert!(
             !got["data"].as_str().unwrap_or_default().contains("HELLO"),
-            "{mode} raw session from a meshed pod reached {target}: {got}"
+            "{mode} session via {via} from a meshed pod reached {target}: {got}"
         );
         let accepted = accepts(&mut server);
         assert!(

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! zt-raw --src IP --dst IP:PORT [--sport N] --mode plain|frag4|destopts6
-//!        [--payload TEXT] [--timeout-ms N]
+//!        [--payload TEXT] [--timeout-ms N] [--via ip|packet]
 //! ```
 //!
 //! It runs ONE TCP client session by hand over raw IP sockets, so that it
@@ -47,7 +47,7 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
-use ztunnel_tests::raw_tcp::{self, AddrPair, Outcome, SessionPlan, Shape, random_u32};
+use ztunnel_tests::raw_tcp::{self, AddrPair, Outcome, SessionPlan, Shape, Via, random_u32};
 
 /// Default of `--timeout-ms`, per wait (SYN-ACK, then the reaction): a veth
 /// round trip takes well under a millisecond, and 3 s still holds on a busy
@@ -86,6 +86,10 @@ struct Cli {
     /// Bound of each wait, in milliseconds.
     #[arg(long, default_value_t = DEFAULT_TIMEOUT_MS)]
     timeout_ms: u64,
+    /// The socket the packets leave by: `ip` (raw IP, header included) or
+    /// `packet` (`AF_PACKET` on eth0, to the target's link address).
+    #[arg(long, value_enum, default_value_t = Via::Ip)]
+    via: Via,
 }
 
 /// Checks the command line, reporting every problem at once.
@@ -133,6 +137,7 @@ fn plan(cli: Cli) -> Result<SessionPlan, Vec<String>> {
             shape: cli.mode,
             payload: cli.payload.into_bytes(),
             timeout: Duration::from_millis(cli.timeout_ms),
+            via: cli.via,
         }),
         _ => Err(errors),
     }

@@ -48,7 +48,7 @@ pub use checksum::{checksum, tcp_checksum_v4, tcp_checksum_v6};
 pub use outcome::{Outcome, bin_path};
 pub use parse::{TcpView, ipv4_transport, parse_tcp};
 pub use segment::{ACK, FIN, PROTO_TCP, PSH, RST, SYN, Segment, TCP_HEADER_LEN};
-pub use session::{SessionPlan, random_u32, run};
+pub use session::{SessionPlan, Via, random_u32, run};
 pub use shape::{
     DESTOPTS_LEN, FRAGMENT_PAYLOAD, IPV4_HEADER_LEN, IPV6_HEADER_LEN, NEXT_HEADER_DESTOPTS, Shape,
     destopts_padn, ip_packets, ipv4_header, ipv6_header,

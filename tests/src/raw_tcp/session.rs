@@ -50,7 +50,21 @@ pub struct SessionPlan {
     pub payload: Vec<u8>,
     /// Bound of each wait (SYN-ACK, then the reaction).
     pub timeout: Duration,
+    /// How the packets leave: a raw IP socket, or a packet socket.
+    pub via: Via,
 }
+
+/// The kind of socket that sends a session's packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Via {
+    /// `AF_INET`/`AF_INET6` `SOCK_RAW` with the IP header included.
+    Ip,
+    /// `AF_PACKET` `SOCK_DGRAM` on `eth0`, to the target's link address.
+    Packet,
+}
+
+/// The interface packet sockets send on (every test pod has one).
+const PACKET_IFACE: &str = "eth0";
 
 /// Random bytes from the kernel (getrandom(2)): initial sequence numbers,
 /// IP ids and ports must not repeat between runs.
@@ -250,8 +264,17 @@ pub fn run(plan: &SessionPlan, interrupted: &AtomicBool) -> Result<Outcome> {
     // call even returns.
     let receiver = RawReceiver::open(v6)
         .with_context(|| format!("{family} SOCK_RAW IPPROTO_TCP receive socket"))?;
-    let sender = RawSender::open(v6, ATTACKER_MARK)
-        .with_context(|| format!("{family} SOCK_RAW IPPROTO_RAW send socket (header included)"))?;
+    let sender = match plan.via {
+        Via::Ip => RawSender::open(v6, ATTACKER_MARK).with_context(|| {
+            format!("{family} SOCK_RAW IPPROTO_RAW send socket (header included)")
+        })?,
+        Via::Packet => {
+            let mac = super::sockets::neighbour_mac(plan.addrs.dst(), PACKET_IFACE, plan.timeout)
+                .context("the target's link address")?;
+            let index = super::sockets::ifindex(PACKET_IFACE).context(PACKET_IFACE)?;
+            RawSender::open_packet(v6, index, mac).context("AF_PACKET SOCK_DGRAM send socket")?
+        }
+    };
     let _filter = KernelRstFilter::install(v6, plan.sport)?;
     let mut wire = Wire {
         sender,

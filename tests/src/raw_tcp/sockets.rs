@@ -75,6 +75,8 @@ impl SockAddr {
 /// kernel adds nothing and fragments nothing.
 pub struct RawSender {
     fd: OwnedFd,
+    /// For a packet socket: the link to send on.
+    link: Option<libc::sockaddr_ll>,
 }
 
 impl RawSender {
@@ -91,16 +93,40 @@ impl RawSender {
         // IPPROTO_RAW implies it on Linux; saying it costs nothing.
         set_int(&fd, level, hdrincl, 1)?;
         set_int(&fd, libc::SOL_SOCKET, libc::SO_MARK, mark as i32)?;
-        Ok(Self { fd })
+        Ok(Self { fd, link: None })
+    }
+
+    /// A packet socket (`AF_PACKET`, `SOCK_DGRAM`: the kernel adds the
+    /// Ethernet header) that sends on interface `ifindex` to `mac`. Its
+    /// packets pass no IP layer and no netfilter hook of the sender's.
+    pub fn open_packet(v6: bool, ifindex: u32, mac: [u8; 6]) -> io::Result<Self> {
+        let ethertype: u16 = if v6 { 0x86dd } else { 0x0800 };
+        let fd = socket(
+            libc::AF_PACKET,
+            libc::SOCK_DGRAM,
+            i32::from(ethertype.to_be()),
+        )?;
+        // SAFETY: all-zero is a valid sockaddr_ll.
+        let mut link: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        link.sll_family = libc::AF_PACKET as u16;
+        link.sll_protocol = ethertype.to_be();
+        link.sll_ifindex = ifindex as i32;
+        link.sll_halen = 6;
+        link.sll_addr[..6].copy_from_slice(&mac);
+        Ok(Self {
+            fd,
+            link: Some(link),
+        })
     }
 
     /// Sends one packet to `dst` (the address only picks the route; the
     /// header inside `packet` is what goes on the wire).
     pub fn send(&self, packet: &[u8], dst: IpAddr) -> io::Result<()> {
         let addr = SockAddr::new(dst);
-        let (ptr, len): (*const libc::sockaddr, usize) = match &addr {
-            SockAddr::V4(sa) => ((&raw const *sa).cast(), size_of::<libc::sockaddr_in>()),
-            SockAddr::V6(sa) => ((&raw const *sa).cast(), size_of::<libc::sockaddr_in6>()),
+        let (ptr, len): (*const libc::sockaddr, usize) = match (&self.link, &addr) {
+            (Some(link), _) => ((&raw const *link).cast(), size_of::<libc::sockaddr_ll>()),
+            (None, SockAddr::V4(sa)) => ((&raw const *sa).cast(), size_of::<libc::sockaddr_in>()),
+            (None, SockAddr::V6(sa)) => ((&raw const *sa).cast(), size_of::<libc::sockaddr_in6>()),
         };
         // SAFETY: valid fd; buffer and address with their true lengths.
         let sent = unsafe {
@@ -119,8 +145,76 @@ impl RawSender {
                 "short raw send: {n} of {} bytes",
                 packet.len()
             ))),
-            Err(_) => Err(io::Error::last_os_error()),
+            Err(_) => {
+                let error = io::Error::last_os_error();
+                // A packet socket's send goes straight to the device queue,
+                // and the kernel reports a packet that a TC program dropped
+                // there as ENOBUFS. For the session that is a packet lost
+                // on the way, which is what the caller wants to observe.
+                if self.link.is_some() && error.raw_os_error() == Some(libc::ENOBUFS) {
+                    Ok(())
+                } else {
+                    Err(error)
+                }
+            }
         }
+    }
+}
+
+/// The link-layer address of `dst` on `iface`, from the neighbour table.
+/// Until it is there, a UDP datagram to `dst`'s discard port makes the
+/// kernel resolve it (ARP or neighbour discovery); bounded by `limit`.
+pub fn neighbour_mac(dst: IpAddr, iface: &str, limit: std::time::Duration) -> io::Result<[u8; 6]> {
+    let deadline = Instant::now() + limit;
+    let unspecified: IpAddr = if dst.is_ipv6() {
+        Ipv6Addr::UNSPECIFIED.into()
+    } else {
+        Ipv4Addr::UNSPECIFIED.into()
+    };
+    let nudge = std::net::UdpSocket::bind((unspecified, 0))?;
+    loop {
+        let out = std::process::Command::new("ip")
+            .args(["neigh", "show", "to", &dst.to_string(), "dev", iface])
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if let Some(mac) = text
+            .split_whitespace()
+            .skip_while(|w| *w != "lladdr")
+            .nth(1)
+            .and_then(parse_mac)
+        {
+            return Ok(mac);
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no neighbour entry for {dst} on {iface}: {text:?}"),
+            ));
+        }
+        let _ = nudge.send_to(b"?", (dst, 9));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// `aa:bb:cc:dd:ee:ff` as six bytes.
+fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        *byte = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+/// The index of interface `iface` in this namespace.
+pub fn ifindex(iface: &str) -> io::Result<u32> {
+    let name = std::ffi::CString::new(iface).map_err(io::Error::other)?;
+    // SAFETY: a NUL-terminated name.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(index)
     }
 }
 
