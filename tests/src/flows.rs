@@ -204,3 +204,36 @@ pub fn field(line: &str, key: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
 }
+
+/// A pod some other enroller (the CNI plugin, `ztunnel enrol`, a node
+/// agent) enrols, as the mesh state must list it for it to get traffic.
+#[derive(Debug, Clone, Copy)]
+pub struct ListedPod<'a> {
+    /// The test pod (its addresses).
+    pub pod: &'a str,
+    /// The uid it is enrolled with.
+    pub uid: &'a str,
+    /// Kubernetes namespace.
+    pub namespace: &'a str,
+    /// Service account.
+    pub service_account: &'a str,
+    /// Its node's name.
+    pub node: &'a str,
+}
+
+/// Writes a local-mode config that lists `pods` as meshed workloads that
+/// the config itself does not enrol (no `netns`), and returns its path.
+pub fn write_listed_pods(cluster: &Cluster, file: &str, pods: &[ListedPod<'_>]) -> PathBuf {
+    let mut yaml = String::from("trustDomain: cluster.local\nworkloads:\n");
+    for p in pods {
+        let pod = cluster.pod(p.pod);
+        let _ = writeln!(
+            yaml,
+            "  - {{uid: {}, name: {}, namespace: {}, serviceAccount: {}, node: {}, ips: [{}, \"{}\"]}}",
+            p.uid, p.pod, p.namespace, p.service_account, p.node, pod.ip, pod.ip6
+        );
+    }
+    let path = cluster.dir().join(file);
+    std::fs::write(&path, yaml).expect("write config");
+    path
+}

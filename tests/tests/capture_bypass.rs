@@ -741,3 +741,185 @@ fn raw_sockets_in_a_meshed_pod_cannot_send_tcp_around_ztunnel() {
     let _server = flows::server(open, dst, "echo");
     flows::assert_ok(&flows::client(client, dst, &flows::ClientRun::default()));
 }
+
+/// A pod with `CAP_NET_ADMIN` adds a neighbour's addresses to its own
+/// interfaces and waits for ztunnel to restart. The restarted ztunnel
+/// takes the pods' addresses from the mesh state, so the neighbour keeps
+/// its steering: plaintext from outside the mesh and the same-node path
+/// both still reach the neighbour's application, never the thief's.
+#[test]
+fn addresses_a_pod_adds_to_itself_are_ignored_at_a_restart() {
+    if !require_root("addresses_a_pod_adds_to_itself_are_ignored_at_a_restart") {
+        return;
+    }
+    let mut s = setup("");
+    let (victim, thief, attacker, app) = (
+        s.cluster.pod("open"),
+        s.cluster.pod("client"),
+        s.cluster.pod("attacker"),
+        s.cluster.pod("app"),
+    );
+    // The stolen addresses go on the thief's loopback, and the thief does
+    // not answer ARP for them, so the fabric keeps delivering them to the
+    // victim: what is tested is ztunnel's steering, not the wire.
+    thief
+        .netns()
+        .exec("sysctl", &["-qw", "net.ipv4.conf.all.arp_ignore=1"]);
+    thief.netns().exec(
+        "ip",
+        &["addr", "add", &format!("{}/32", victim.ip), "dev", "lo"],
+    );
+    thief.netns().exec(
+        "ip",
+        &[
+            "addr",
+            "add",
+            &format!("{}/128", victim.ip6),
+            "dev",
+            "lo",
+            "nodad",
+        ],
+    );
+    let targets = [sa(victim.ip, APP_PORT), sa(victim.ip6, APP_PORT)];
+    let mut victims: Vec<_> = targets
+        .iter()
+        .map(|t| flows::server(victim, *t, "echo"))
+        .collect();
+    let mut thieves: Vec<_> = targets
+        .iter()
+        .map(|t| flows::server(thief, *t, "echo"))
+        .collect();
+
+    s.z.stop();
+    let config = s.cluster.dir().join("mesh.yaml");
+    s.z = Ztunnel::start(
+        &s.cluster,
+        0,
+        &["--config", config.to_str().expect("utf-8")],
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while s.z.count_log_lines(&["pod enrolled"]) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "pods not enrolled:\n{}",
+            s.z.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (i, dst) in targets.iter().enumerate() {
+        for from in [attacker, app] {
+            let done = flows::client(from, *dst, &flows::ClientRun::default());
+            let stolen = accepts(&mut thieves[i]);
+            assert!(
+                stolen.is_empty(),
+                "the thief got {dst}'s connection from {}: {stolen:?}",
+                from.name
+            );
+            flows::assert_ok(&done);
+            let peer = flows::last_peer(&mut victims[i]);
+            assert!(!peer.is_empty(), "{dst} from {}", from.name);
+        }
+    }
+    assert_eq!(
+        s.z.count_log_lines(&["address on the pod's interfaces ignored", "pod=client"]),
+        2,
+        "{}",
+        s.z.log()
+    );
+}
+
+/// A pod enrolled over the socket whose workload the mesh state does not
+/// list: its labels are unknown, so label-selected STRICT and DENY could
+/// not apply. It gets no inbound (plaintext or same-node) and no outbound,
+/// each connection refused after the wait for its workload; once the
+/// state lists it, traffic flows.
+#[test]
+fn an_enrolled_pod_without_its_workload_gets_no_traffic() {
+    if !require_root("an_enrolled_pod_without_its_workload_gets_no_traffic") {
+        return;
+    }
+    let s = setup("");
+    let (ghost, attacker, client, open) = (
+        s.cluster.pod("stranger"),
+        s.cluster.pod("attacker"),
+        s.cluster.pod("client"),
+        s.cluster.pod("open"),
+    );
+    let netns = ghost.netns_path();
+    let out = std::process::Command::new(sibling_bin("ztunnel"))
+        .arg("enrol")
+        .arg("--socket")
+        .arg(&s.z.socket)
+        .args(["add", "--uid", "stranger", "--name", "stranger"])
+        .args(["--namespace", "test", "--service-account", "stranger"])
+        .arg("--netns")
+        .arg(&netns)
+        .output()
+        .expect("run ztunnel enrol");
+    assert!(out.status.success(), "{out:?}");
+    let inbound = [sa(ghost.ip, APP_PORT), sa(ghost.ip6, APP_PORT)];
+    let mut servers: Vec<_> = inbound
+        .iter()
+        .map(|dst| flows::server(ghost, *dst, "echo"))
+        .collect();
+    let outbound = sa(open.ip, APP_PORT);
+    let _open_server = flows::server(open, outbound, "echo");
+    let quick = flows::ClientRun {
+        bytes: 100,
+        limit: Duration::from_secs(15),
+        ..flows::ClientRun::default()
+    };
+    for (from, dst) in [
+        (attacker, inbound[0]),
+        (attacker, inbound[1]),
+        (client, inbound[0]),
+        (ghost, outbound),
+    ] {
+        let started = Instant::now();
+        let done = flows::client(from, dst, &quick);
+        assert!(
+            !done.stdout.contains("RESULT ok"),
+            "{} reached {dst} with the pod's workload unknown: {done:?}",
+            from.name
+        );
+        // The connection waited for the workload first (Istio's 5 s).
+        assert!(
+            started.elapsed() >= Duration::from_secs(4),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    for server in &mut servers {
+        assert!(accepts(server).is_empty());
+    }
+    assert!(
+        s.z.count_log_lines(&[
+            "access",
+            "result=\"denied\"",
+            "reason=\"the pod is enrolled but its workload is not in the mesh state"
+        ]) >= 4,
+        "{}",
+        s.z.log()
+    );
+
+    // Listed: the same connections go through.
+    let mut listed = entries();
+    listed.push(WorkloadEntry {
+        enrolled: false,
+        ..WorkloadEntry::enrolled("stranger", "node-a")
+    });
+    let before = s.z.count_log_lines(&["config changed: applying"]);
+    flows::write_config_with(&s.cluster, "mesh.yaml", &listed, "");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.z.count_log_lines(&["config changed: applying"]) <= before {
+        assert!(
+            Instant::now() < deadline,
+            "config not applied:\n{}",
+            s.z.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    flows::assert_ok(&flows::client(attacker, inbound[0], &quick));
+    flows::assert_ok(&flows::client(client, inbound[1], &quick));
+    flows::assert_ok(&flows::client(ghost, outbound, &quick));
+}

@@ -69,7 +69,24 @@ fn pods_are_enrolled_and_removed_over_the_socket() {
     let (app, other) = (cluster.pod("app"), cluster.pod("other"));
     let dst = SocketAddr::from((other.ip, 8080));
     let _server = flows::server(other, dst, "echo");
-    let z = Ztunnel::start(&cluster, node, &[]);
+    // The mesh state lists the pod (a pod whose workload is unknown gets
+    // no traffic); the config does not enrol it, the socket does.
+    let config = flows::write_listed_pods(
+        &cluster,
+        "mesh.yaml",
+        &[flows::ListedPod {
+            pod: "app",
+            uid: "app-uid",
+            namespace: "test",
+            service_account: "app",
+            node: "node-a",
+        }],
+    );
+    let z = Ztunnel::start(
+        &cluster,
+        node,
+        &["--config", config.to_str().expect("utf-8")],
+    );
     let netns = app.netns_path();
     let netns = netns.to_str().expect("utf-8");
 

@@ -68,6 +68,28 @@ impl Setup {
         }
     }
 
+    /// Starts node-a's ztunnel with a mesh state that lists `pods` (pod,
+    /// uid, namespace, service account): the plugin enrols them, and a pod
+    /// whose workload is unknown gets no traffic.
+    fn ztunnel(&self, pods: &[(&str, &str, &str, &str)]) -> Ztunnel {
+        let listed: Vec<flows::ListedPod<'_>> = pods
+            .iter()
+            .map(|(pod, uid, namespace, service_account)| flows::ListedPod {
+                pod,
+                uid,
+                namespace,
+                service_account,
+                node: "node-a",
+            })
+            .collect();
+        let config = flows::write_listed_pods(&self.cluster, "mesh.yaml", &listed);
+        Ztunnel::start(
+            &self.cluster,
+            0,
+            &["--config", config.to_str().expect("utf-8")],
+        )
+    }
+
     /// Our keys of the conflist entry.
     fn keys(&self, z: Option<&Ztunnel>) -> Value {
         let socket = z.map_or_else(
@@ -126,7 +148,7 @@ fn add_enrols_a_selected_pod_check_confirms_and_del_removes_it() {
     let (app, other) = (s.cluster.pod("app"), s.cluster.pod("other"));
     let dst = SocketAddr::from((other.ip, 8080));
     let _server = flows::server(other, dst, "echo");
-    let z = Ztunnel::start(&s.cluster, 0, &[]);
+    let z = s.ztunnel(&[("app", "uid-app", "mesh", "app-sa")]);
     let keys = s.keys(Some(&z));
     assert!(!captured(&z, app, dst), "captured before ADD");
 
@@ -231,7 +253,7 @@ fn add_fails_while_ztunnel_cannot_enrol_the_pod() {
     drop(listener);
 
     // A running ztunnel that refuses: the error carries its reason.
-    let z = Ztunnel::start(&s.cluster, 0, &[]);
+    let z = s.ztunnel(&[("app", "uid-app", "mesh", "app-sa")]);
     let keys = s.keys(Some(&z));
     // A service account ztunnel cannot make an identity of.
     s.api.pod("mesh", "app", "uid-app", "a/b", &json!({}));
@@ -332,7 +354,7 @@ fn the_api_server_decides_which_pods_are_enrolled() {
     let other = s.cluster.pod("other");
     let dst = SocketAddr::from((other.ip, 8080));
     let _server = flows::server(other, dst, "echo");
-    let z = Ztunnel::start(&s.cluster, 0, &[]);
+    let z = s.ztunnel(&[("picked", "uid-picked", "plain", "picked-sa")]);
     let keys = s.keys(Some(&z));
 
     // Unlabelled pod in an unlabelled namespace, and a pod that opts out
@@ -432,7 +454,10 @@ fn pods_the_plugin_enrolled_stay_captured_across_a_restart_and_a_del_meanwhile_h
     );
     let dst = SocketAddr::from((other.ip, 8080));
     let _server = flows::server(other, dst, "echo");
-    let mut z = Ztunnel::start(&s.cluster, 0, &[]);
+    let mut z = s.ztunnel(&[
+        ("app", "uid-app", "mesh", "app-sa"),
+        ("web", "uid-web", "mesh", "web-sa"),
+    ]);
     let keys = s.keys(Some(&z));
     for (pod, uid) in [("app", "uid-app"), ("web", "uid-web")] {
         s.plugin("ADD", pod, "mesh", Some(uid), &keys).assert_ok();
@@ -451,7 +476,10 @@ fn pods_the_plugin_enrolled_stay_captured_across_a_restart_and_a_del_meanwhile_h
     // The next ztunnel enrols app again from its record, before its sweep
     // (1 s grace here) removes what nobody re-enrolled: app stays in the
     // mesh, web's stale capture goes.
-    let z = Ztunnel::start(&s.cluster, 0, &[]);
+    let z = s.ztunnel(&[
+        ("app", "uid-app", "mesh", "app-sa"),
+        ("web", "uid-web", "mesh", "web-sa"),
+    ]);
     z.wait_for_log(
         "pods recorded by ztunnel-cni enrolled again enrolled=1 gone=0 failed=0",
         Duration::from_secs(5),

@@ -581,9 +581,22 @@ fn accept_backs_off_when_out_of_file_descriptors_and_serves_again() {
     let (b1, plain) = (cluster.pod("b1"), cluster.pod("plain"));
     let to_b1 = SocketAddr::from((b1.ip, 8080));
     let _server = flows::server_with(b1, to_b1, "echo", true);
-    // No config file: its watcher would read it every second and report
-    // the EMFILE as a rejected config; the pod comes over the socket.
-    let z = Ztunnel::start(&cluster, b, &[]);
+    // The config only lists b1 (a pod whose workload is unknown gets no
+    // traffic); the pod comes over the socket. While ztunnel has no
+    // descriptor left its watcher cannot read the file either, and keeps
+    // the state it has.
+    let config = flows::write_listed_pods(
+        &cluster,
+        "mesh.yaml",
+        &[flows::ListedPod {
+            pod: "b1",
+            uid: "b1",
+            namespace: "test",
+            service_account: "b1",
+            node: "node-b",
+        }],
+    );
+    let z = Ztunnel::start(&cluster, b, &["--config", config.to_str().expect("utf-8")]);
     let out = Command::new(sibling_bin("ztunnel"))
         .arg("enrol")
         .arg("--socket")

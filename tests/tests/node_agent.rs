@@ -25,6 +25,35 @@ fn agent_pod(pod: &Pod) -> AgentPod {
     }
 }
 
+/// Starts ztunnel dialling the agent at `socket`, with a mesh state that
+/// lists every pod of the cluster the way [`agent_pod`] names it (a pod
+/// whose workload is unknown gets no traffic; the agent enrols them).
+fn start(cluster: &Cluster, node: usize, socket: &str, pods: &[&str]) -> Ztunnel {
+    let uids: Vec<String> = pods.iter().map(|p| format!("{p}-uid")).collect();
+    let listed: Vec<flows::ListedPod<'_>> = pods
+        .iter()
+        .zip(&uids)
+        .map(|(pod, uid)| flows::ListedPod {
+            pod,
+            uid,
+            namespace: "test",
+            service_account: pod,
+            node: "node-a",
+        })
+        .collect();
+    let config = flows::write_listed_pods(cluster, "mesh.yaml", &listed);
+    Ztunnel::start(
+        cluster,
+        node,
+        &[
+            "--node-agent-socket",
+            socket,
+            "--config",
+            config.to_str().expect("utf-8"),
+        ],
+    )
+}
+
 /// Whether a connection from `from` to `dst` went through ztunnel's
 /// capture (the outbound redirect counter moved by one).
 fn captured(z: &Ztunnel, from: &Pod, dst: SocketAddr) -> bool {
@@ -77,7 +106,7 @@ fn ztunnel_dials_the_agent_says_hello_and_follows_snapshot_add_and_del() {
     let _server = flows::server(other, dst, "echo");
     let agent = NodeAgent::start(&cluster.dir().join("agent.sock"), vec![agent_pod(app)]);
     let socket = agent.path().to_str().expect("utf-8").to_owned();
-    let z = Ztunnel::start(&cluster, node, &["--node-agent-socket", &socket]);
+    let z = start(&cluster, node, &socket, &["app", "third"]);
     let cg = TestCgroup::create(&format!("{}/ready-client", cluster.prefix()));
 
     agent.wait_for_hellos(1, Duration::from_secs(10));
@@ -119,7 +148,7 @@ fn protocol_errors_close_the_connection_and_ztunnel_comes_back_for_a_snapshot() 
     let _server = flows::server(other, dst, "echo");
     let agent = NodeAgent::start(&cluster.dir().join("agent.sock"), vec![agent_pod(app)]);
     let socket = agent.path().to_str().expect("utf-8").to_owned();
-    let z = Ztunnel::start(&cluster, node, &["--node-agent-socket", &socket]);
+    let z = start(&cluster, node, &socket, &["app"]);
     agent.wait_for_hellos(1, Duration::from_secs(10));
 
     let cases: [(&str, Vec<u8>, bool, &str); 4] = [
@@ -178,7 +207,7 @@ fn readiness_waits_for_the_agent_and_a_pod_that_cannot_start_is_retried() {
     let _server = flows::server(other, dst, "echo");
     let path = cluster.dir().join("agent.sock");
     let socket = path.to_str().expect("utf-8").to_owned();
-    let z = Ztunnel::start(&cluster, node, &["--node-agent-socket", &socket]);
+    let z = start(&cluster, node, &socket, &["app"]);
     let cg = TestCgroup::create(&format!("{}/ready-client", cluster.prefix()));
 
     // No agent yet: not ready, and saying why.
@@ -225,7 +254,7 @@ fn a_restarted_agent_sends_a_new_snapshot_and_pods_it_lost_are_removed() {
     let path = cluster.dir().join("agent.sock");
     let socket = path.to_str().expect("utf-8").to_owned();
     let agent = NodeAgent::start(&path, vec![agent_pod(app), agent_pod(other)]);
-    let z = Ztunnel::start(&cluster, node, &["--node-agent-socket", &socket]);
+    let z = start(&cluster, node, &socket, &["app", "other"]);
     agent.wait_for_hellos(1, Duration::from_secs(10));
     assert!(captured(&z, app, dst) && captured(&z, other, dst));
 

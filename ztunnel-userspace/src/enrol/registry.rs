@@ -100,6 +100,18 @@ pub enum EnrolError {
         /// What failed.
         source: std::io::Error,
     },
+    /// An address of the pod is another enrolled pod's.
+    #[error(
+        "pod {uid}: address {ip} is already enrolled pod {owner}'s: refused (two pods cannot share an address)"
+    )]
+    AddressTaken {
+        /// The pod being enrolled.
+        uid: String,
+        /// The address.
+        ip: std::net::IpAddr,
+        /// The pod that has it.
+        owner: String,
+    },
     /// A lock was poisoned by a panic elsewhere.
     #[error("internal state poisoned")]
     Poisoned,
@@ -372,10 +384,11 @@ impl PodRegistry {
         if req.capture.inbound {
             flags |= POD_CAPTURE_INBOUND;
         }
-        let ips = req.netns.addresses().map_err(|e| EnrolError::Netns {
+        let found = req.netns.addresses().map_err(|e| EnrolError::Netns {
             uid: uid.clone(),
             source: Box::new(e),
         })?;
+        let ips = self.addresses_of(&uid, &found)?;
         let backend = self.backend;
         if backend == crate::capture::Backend::Iptables {
             crate::capture::iptables::install(&req.netns, &self.exclusions)
@@ -439,6 +452,31 @@ impl PodRegistry {
         };
         tracing::info!(pod = %uid, netns = %pod.netns_name, cookie, identity = %req.identity, outbound = req.capture.outbound, inbound = req.capture.inbound, "pod enrolled");
         Ok(pod)
+    }
+
+    /// The addresses pod `uid` is enrolled with, of those `found` on its
+    /// interfaces (see [`super::addresses`]).
+    fn addresses_of(
+        &self,
+        uid: &str,
+        found: &[std::net::IpAddr],
+    ) -> Result<Vec<std::net::IpAddr>, EnrolError> {
+        let state = self.shared.state.current();
+        let pods = self.pods.lock().map_err(|_| EnrolError::Poisoned)?;
+        let enrolled = pods.iter().map(|(u, p)| (u.as_str(), p.ips.as_slice()));
+        match super::addresses::decide(uid, found, &state, enrolled) {
+            Ok(decided) => {
+                for (ip, why) in &decided.ignored {
+                    tracing::warn!(pod = %uid, %ip, %why, "address on the pod's interfaces ignored");
+                }
+                Ok(decided.kept)
+            }
+            Err(taken) => Err(EnrolError::AddressTaken {
+                uid: uid.to_owned(),
+                ip: taken.ip,
+                owner: taken.owner,
+            }),
+        }
     }
 
     /// Undoes [`Self::attach_kernel`]. With `kept` (state an earlier

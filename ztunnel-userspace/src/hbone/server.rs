@@ -365,7 +365,11 @@ async fn stream(
         dst: target,
         path: "hbone",
     });
-    let state = server.shared.state.current();
+    let state = server
+        .shared
+        .state
+        .current_for(&server.pod, crate::state::mesh::WORKLOAD_WAIT)
+        .await;
     // For the metrics only: the client may name the service it addressed,
     // but only one this pod is behind is believed (`inbound_service`).
     let service = state
@@ -383,9 +387,7 @@ async fn stream(
         identity: Some(peer_identity),
         ip: peer.ip(),
     };
-    if let Err((policy, reason)) =
-        state.authorize_inbound(&server.pod, &server.identity, &who, target.port())
-    {
+    if let Err((policy, reason)) = state.authorize_inbound(&server.pod, &who, target.port()) {
         crate::telemetry::connection::denied(
             &server.shared.metrics,
             &src,
@@ -394,7 +396,15 @@ async fn stream(
             &policy,
             &reason,
         );
-        return refuse(respond, StatusCode::UNAUTHORIZED, &reason);
+        // A pod whose workload is unknown cannot be served at all (503, as
+        // Istio's ztunnel answers when it cannot find its local workload);
+        // a policy that refuses this peer is 401.
+        let status = if policy == "workload_unknown" {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::UNAUTHORIZED
+        };
+        return refuse(respond, status, &reason);
     }
     let connect = server.sockets.connect_from(target, Some(peer.ip()));
     let timeouts = server.shared.timeouts;

@@ -69,7 +69,7 @@ impl InboundConnection {
             identity: self.peer_identity.as_ref(),
             ip: self.src.ip(),
         };
-        state.authorize_inbound(&self.pod, &self.pod_identity, &peer, self.dst.port())
+        state.authorize_inbound(&self.pod, &peer, self.dst.port())
     }
 }
 

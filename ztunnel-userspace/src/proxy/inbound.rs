@@ -106,7 +106,11 @@ async fn plaintext(
         dst,
         path: "plaintext",
     });
-    let state = ctx.shared.state.current();
+    let state = ctx
+        .shared
+        .state
+        .current_for(&ctx.pod, crate::state::mesh::WORKLOAD_WAIT)
+        .await;
     let service = state
         .inbound_service(&ctx.pod, dst.port(), None)
         .map(crate::telemetry::connection::ServiceRef::from);
@@ -123,9 +127,7 @@ async fn plaintext(
         identity: None,
         ip: client.ip(),
     };
-    if let Err((policy, reason)) =
-        state.authorize_inbound(&ctx.pod, &ctx.identity, &peer, dst.port())
-    {
+    if let Err((policy, reason)) = state.authorize_inbound(&ctx.pod, &peer, dst.port()) {
         tracing::info!(orig_dst = %dst, path = "plaintext", %reason, result = "denied", "inbound connection denied");
         crate::telemetry::connection::denied(
             &ctx.shared.metrics,

@@ -170,7 +170,28 @@ pub async fn open(
     ctx: &OutboundContext,
     app: Option<&TcpStream>,
 ) -> Result<(Upstream, ConnectionRecord), ProxyError> {
-    let state = ctx.shared.state.current();
+    let state = ctx
+        .shared
+        .state
+        .current_for(&ctx.pod.uid, crate::state::mesh::WORKLOAD_WAIT)
+        .await;
+    if state.workload(&ctx.pod.uid).is_none() {
+        // Without its workload the pod's own policies (and which traffic
+        // it may send) are unknown: nothing leaves it until the mesh state
+        // lists it.
+        let reason = crate::state::mesh::WORKLOAD_UNKNOWN;
+        tracing::info!(orig_dst = %dst, path = "denied", %reason, result = "denied", "outbound connection denied");
+        let src = source(ctx, &state, None, client_port);
+        telemetry::connection::denied(
+            &ctx.shared.metrics,
+            &src,
+            &state.endpoint(dst),
+            "outbound",
+            "workload_unknown",
+            reason,
+        );
+        return Err(ProxyError::Denied(reason));
+    }
     let vip_service = state.service_by_vip(dst.ip());
     let service = vip_service.map(crate::telemetry::connection::ServiceRef::from);
     let service_host = vip_service.map(crate::state::service::Service::hostname);
@@ -237,12 +258,14 @@ pub async fn open(
                     identity: Some(&ctx.pod.identity),
                     ip: src_ip,
                 };
-                if let Err((policy, reason)) = ctx.shared.state.current().authorize_inbound(
-                    &local.uid,
-                    &local.identity,
-                    &peer,
-                    target.port(),
-                ) {
+                let at_destination = ctx
+                    .shared
+                    .state
+                    .current_for(&local.uid, crate::state::mesh::WORKLOAD_WAIT)
+                    .await;
+                if let Err((policy, reason)) =
+                    at_destination.authorize_inbound(&local.uid, &peer, target.port())
+                {
                     telemetry::connection::denied(
                         metrics, &src, &dst_end, "outbound", &policy, &reason,
                     );

@@ -414,14 +414,14 @@ impl MeshState {
         )
     }
 
-    /// Authorizes a connection to the local pod `uid` (whose identity is
-    /// `identity`) from `peer` on `port`: the mTLS mode first (plaintext
-    /// under STRICT is refused), then the authorization policies. The
-    /// error names what refused it: (policy label for metrics, reason).
+    /// Authorizes a connection to the local pod `uid` from `peer` on
+    /// `port`: the pod's workload must be known, then the mTLS mode
+    /// (plaintext under STRICT is refused), then the authorization
+    /// policies. The error names what refused it: (policy label for
+    /// metrics, reason).
     pub fn authorize_inbound(
         &self,
         uid: &str,
-        identity: &Identity,
         peer: &super::policy::Peer<'_>,
         port: u16,
     ) -> Result<(), (String, String)> {
@@ -431,15 +431,15 @@ impl MeshState {
                 AWAITING_CONTROL_PLANE.into(),
             ));
         }
-        let empty = std::collections::BTreeMap::new();
-        let (namespace, labels) = self
-            .workload(uid)
-            .map_or((identity.namespace.as_str(), &empty), |w| {
-                (w.namespace.as_str(), &w.labels)
-            });
+        // Without its workload the pod's labels are unknown, and every
+        // policy that selects it by label (STRICT, DENY, ALLOW) would
+        // silently stop applying: refuse instead.
+        let Some(workload) = self.workload(uid) else {
+            return Err(("workload_unknown".into(), WORKLOAD_UNKNOWN.into()));
+        };
         let target = super::policy::Target {
-            namespace,
-            labels,
+            namespace: workload.namespace.as_str(),
+            labels: &workload.labels,
             port,
         };
         if peer.identity.is_none()
@@ -493,6 +493,18 @@ impl MeshState {
     }
 }
 
+/// Why a connection of an enrolled pod whose workload is not in the mesh
+/// state is refused (see [`StateHandle::current_for`]).
+pub const WORKLOAD_UNKNOWN: &str =
+    "the pod is enrolled but its workload is not in the mesh state: no traffic until it is";
+
+/// How long a connection of an enrolled pod whose workload the mesh state
+/// does not list yet waits for it before it is refused. A pod is enrolled
+/// when its sandbox is made, and istiod may list it a moment later; its
+/// first connections should not fail for that. Istio's ztunnel waits the
+/// same 5 s (hard-coded in its `wait_for_workload`).
+pub const WORKLOAD_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Shared, swappable mesh state (replaced whole on config reload or xDS
 /// push), with the directory of enrolled pods every state is given.
 #[derive(Debug, Clone, Default)]
@@ -500,6 +512,8 @@ pub struct StateHandle {
     current: Arc<RwLock<Arc<MeshState>>>,
     pods: PodDirectory,
     node: Arc<str>,
+    /// Bumped by every [`Self::replace`], for those waiting for a change.
+    generation: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl StateHandle {
@@ -517,6 +531,7 @@ impl StateHandle {
             current: Arc::new(RwLock::new(Arc::new(state))),
             pods,
             node: node.into(),
+            generation: Arc::default(),
         }
     }
 
@@ -542,6 +557,33 @@ impl StateHandle {
             .current
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(state);
+        self.generation.send_modify(|g| *g = g.wrapping_add(1));
+    }
+
+    /// The current state for a connection of the enrolled pod `uid`: when
+    /// it does not list the pod's workload yet, the newest state within
+    /// `limit` that does, or the newest one after `limit` (whose policy
+    /// checks then refuse the connection: [`WORKLOAD_UNKNOWN`]).
+    pub async fn current_for(&self, uid: &str, limit: std::time::Duration) -> Arc<MeshState> {
+        let mut changes = self.generation.subscribe();
+        let state = self.current();
+        if state.workload(uid).is_some() {
+            return state;
+        }
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {
+                    let state = self.current();
+                    if state.workload(uid).is_some() {
+                        return state;
+                    }
+                }
+                // Timed out, or the sender is gone (never while a handle
+                // exists): what there is now decides.
+                _ => return self.current(),
+            }
+        }
     }
 }
 
@@ -736,14 +778,7 @@ services:
             identity: None,
             ip: "10.0.0.1".parse().expect("ip"),
         };
-        let refused = s
-            .authorize_inbound(
-                "b",
-                &Identity::new("cluster.local", "demo", "sa-b"),
-                &peer,
-                80,
-            )
-            .expect_err("refused");
+        let refused = s.authorize_inbound("b", &peer, 80).expect_err("refused");
         assert_eq!(refused.0, "awaiting_control_plane");
         // The first push replaces it with a state that routes.
         let handle = StateHandle::new(s);
