@@ -67,13 +67,16 @@ pub fn cgroup_program_count(cgroup: &Path, attach_type: u32) -> u32 {
 /// Names of the tcx programs on `eth0` ingress inside the namespace; none
 /// on a kernel without tcx (before 6.6), where no tcx link can exist.
 pub fn tcx_ingress_programs(netns_path: &Path) -> Vec<String> {
+    tcx_programs(netns_path, TcAttachType::Ingress)
+}
+
+fn tcx_programs(netns_path: &Path, direction: TcAttachType) -> Vec<String> {
     if !ztunnel::probe::has_tcx() {
         return Vec::new();
     }
     let ns = PodNetns::open(netns_path).expect("open netns");
     ns.run(|| {
-        let (_, programs) =
-            SchedClassifier::query_tcx("eth0", TcAttachType::Ingress).expect("query tcx");
+        let (_, programs) = SchedClassifier::query_tcx("eth0", direction).expect("query tcx");
         programs
             .iter()
             .map(|p| p.name_as_str().unwrap_or("?").to_owned())
@@ -87,10 +90,19 @@ pub fn tcx_ingress_programs(netns_path: &Path) -> Vec<String> {
 /// (the fallback below 6.6). Tests assert on this so they hold on every
 /// kernel we support.
 pub fn ingress_programs(netns_path: &Path) -> Vec<String> {
-    let mut names = tcx_ingress_programs(netns_path);
+    programs(netns_path, TcAttachType::Ingress, "ingress")
+}
+
+/// Like [`ingress_programs`], on `eth0` egress (where `guard_egress` goes).
+pub fn egress_programs(netns_path: &Path) -> Vec<String> {
+    programs(netns_path, TcAttachType::Egress, "egress")
+}
+
+fn programs(netns_path: &Path, direction: TcAttachType, word: &str) -> Vec<String> {
+    let mut names = tcx_programs(netns_path, direction);
     let out = std::process::Command::new("nsenter")
         .arg(format!("--net={}", netns_path.display()))
-        .args(["tc", "filter", "show", "dev", "eth0", "ingress"])
+        .args(["tc", "filter", "show", "dev", "eth0", word])
         .output()
         .expect("run nsenter tc filter show");
     names.extend(clsact_bpf_names(&String::from_utf8_lossy(&out.stdout)));

@@ -12,7 +12,7 @@ use ztunnel_common::Counter;
 use ztunnel_tests::{
     Cluster, Pod,
     flows::{self, ClientRun, WorkloadEntry},
-    kernel::{attach_type, cgroup_program_count, ingress_programs},
+    kernel::{attach_type, cgroup_program_count, egress_programs, ingress_programs},
     require_root,
     ztunnel::{Ztunnel, sibling_bin},
 };
@@ -44,12 +44,13 @@ fn reply_rules(pod: &Pod) -> String {
         .join("\n")
 }
 
-/// Pins of per-pod links (`tc_*`, `lookup_*`) below ztunnel's bpffs folder.
+/// Pins of per-pod links (`tc_*`, `tcout_*`, `lookup_*`) below ztunnel's
+/// bpffs folder.
 fn pod_link_pins(z: &Ztunnel) -> Vec<String> {
     z.pins()
         .iter()
         .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .filter(|n| n.starts_with("tc_") || n.starts_with("lookup_"))
+        .filter(|n| n.starts_with("tc_") || n.starts_with("tcout_") || n.starts_with("lookup_"))
         .collect()
 }
 
@@ -58,6 +59,23 @@ fn an_enrolment_that_fails_half_way_leaves_nothing_behind() {
     if !require_root("an_enrolment_that_fails_half_way_leaves_nothing_behind") {
         return;
     }
+    fails_half_way_and_leaves_nothing("auto");
+}
+
+/// The same with clsact filters (every kernel before 6.6). Undoing them
+/// listed the interface's filters with `tc`, which this test's `PATH`
+/// lacks: the undo failed and the rollback reported nothing undone (found
+/// on Debian's 6.1). Our filters go by netlink; only the decision to
+/// remove the qdisc needs the list, and without it the qdisc stays.
+#[test]
+fn an_enrolment_that_fails_half_way_leaves_nothing_behind_netlink() {
+    if !require_root("an_enrolment_that_fails_half_way_leaves_nothing_behind_netlink") {
+        return;
+    }
+    fails_half_way_and_leaves_nothing("netlink");
+}
+
+fn fails_half_way_and_leaves_nothing(tc_mode: &str) {
     let mut cluster = Cluster::new();
     let node = cluster.add_node("node-a");
     cluster.add_pod(node, "app");
@@ -65,7 +83,7 @@ fn an_enrolment_that_fails_half_way_leaves_nothing_behind() {
     let (app, other) = (cluster.pod("app"), cluster.pod("other"));
     let dst = SocketAddr::from((other.ip, 8080));
     let _server = flows::server(other, dst, "echo");
-    let z = Ztunnel::start_with_env(&cluster, node, &[], &[NO_IPROUTE2]);
+    let z = Ztunnel::start_with_env(&cluster, node, &["--tc-mode", tc_mode], &[NO_IPROUTE2]);
     let netns = app.netns_path();
     let out = Command::new(sibling_bin("ztunnel"))
         .arg("enrol")
@@ -86,6 +104,7 @@ fn an_enrolment_that_fails_half_way_leaves_nothing_behind() {
     // no pins, no listeners, no routing rule, and its traffic is not
     // captured (it reaches the server directly, as before).
     assert!(ingress_programs(&netns).is_empty(), "TC program left");
+    assert!(egress_programs(&netns).is_empty(), "egress guard left");
     assert_eq!(
         cgroup_program_count(&netns, attach_type::SK_LOOKUP),
         0,
@@ -118,6 +137,22 @@ fn a_pod_whose_enrolment_fails_after_a_restart_stays_captured() {
     if !require_root("a_pod_whose_enrolment_fails_after_a_restart_stays_captured") {
         return;
     }
+    fails_after_a_restart_and_stays_captured("auto");
+}
+
+/// The same with clsact filters (what every kernel before 6.6 uses): there
+/// the second ztunnel's TC step, not its routing step, is the one that
+/// fails, after it took over the pod's `sk_lookup` link. Its undo removed
+/// the link and left the pod uncaptured (found on Debian's 6.1).
+#[test]
+fn a_pod_whose_enrolment_fails_after_a_restart_stays_captured_netlink() {
+    if !require_root("a_pod_whose_enrolment_fails_after_a_restart_stays_captured_netlink") {
+        return;
+    }
+    fails_after_a_restart_and_stays_captured("netlink");
+}
+
+fn fails_after_a_restart_and_stays_captured(tc_mode: &str) {
     let mut cluster = Cluster::new();
     let node = cluster.add_node("node-a");
     cluster.add_pod(node, "app");
@@ -131,6 +166,7 @@ fn a_pod_whose_enrolment_fails_after_a_restart_stays_captured() {
         ],
     );
     let config = config.to_str().expect("utf-8");
+    let args = ["--config", config, "--tc-mode", tc_mode];
     let (app, other) = (cluster.pod("app"), cluster.pod("other"));
     let dst = SocketAddr::from((other.ip, 8080));
     let _server = flows::server(other, dst, "echo");
@@ -140,7 +176,7 @@ fn a_pod_whose_enrolment_fails_after_a_restart_stays_captured() {
         ..ClientRun::default()
     };
 
-    let mut first = Ztunnel::start(&cluster, node, &["--config", config]);
+    let mut first = Ztunnel::start(&cluster, node, &args);
     first.wait_for_log("pod enrolled pod=app", Duration::from_secs(10));
     flows::assert_ok(&flows::client(app, dst, &quick));
     first.kill();
@@ -148,7 +184,7 @@ fn a_pod_whose_enrolment_fails_after_a_restart_stays_captured() {
     // The next ztunnel cannot finish the pod's enrolment. It must not
     // remove the capture the first one left (then the pod's traffic would
     // walk around the mesh), not even when the stale-state sweep runs.
-    let mut second = Ztunnel::start_with_env(&cluster, node, &["--config", config], &[NO_IPROUTE2]);
+    let mut second = Ztunnel::start_with_env(&cluster, node, &args, &[NO_IPROUTE2]);
     second.wait_for_log("stale kernel state check done", Duration::from_secs(10));
     let done = flows::client(app, dst, &quick);
     assert!(
@@ -169,7 +205,7 @@ fn a_pod_whose_enrolment_fails_after_a_restart_stays_captured() {
     second.kill();
 
     // A ztunnel that can enrol it takes the pod back.
-    let third = Ztunnel::start(&cluster, node, &["--config", config]);
+    let third = Ztunnel::start(&cluster, node, &args);
     third.wait_for_log("pod enrolled pod=app", Duration::from_secs(10));
     flows::assert_ok(&flows::client(app, dst, &quick));
 }

@@ -259,9 +259,16 @@ fn attach_netlink(
     .is_ok_and(|old| old.detach().is_ok());
     // Adding clsact fails with EEXIST when someone already has one: reuse it.
     // Taken over with no filter but ztunnel's own on it, the qdisc is ours
-    // as well.
-    let created_qdisc =
-        tc::qdisc_add_clsact(iface).is_ok() || (took_over && !foreign_filters(iface)?);
+    // as well. When the filters cannot be listed (no `tc` binary) it is
+    // not claimed: nothing may fail after the earlier filter is gone (a
+    // take-over that failed here left the pod without it, found on 6.1),
+    // and a qdisc that may hold others' filters is never ours to remove.
+    let created_qdisc = tc::qdisc_add_clsact(iface).is_ok()
+        || (took_over
+            && !foreign_filters(iface).unwrap_or_else(|e| {
+                tracing::warn!(%iface, error = %e, "cannot list TC filters: the clsact qdisc is not claimed");
+                true
+            }));
     if took_over {
         tracing::info!(target = %target, hook = ?hook, "took over the TC filter of an earlier ztunnel");
     }
@@ -314,8 +321,19 @@ fn detach_netlink(hook: TcHook, iface: &str, created_qdisc: bool) -> Result<(), 
         source,
     })?;
     // Any filter left, ztunnel's own other hook included, keeps the qdisc:
-    // removing it would take that filter with it.
-    if created_qdisc && filter_lines(iface)?.is_empty() {
+    // removing it would take that filter with it. When the filters cannot
+    // be listed (no `tc` binary), the qdisc stays too: an empty clsact
+    // costs nothing, removing someone's filter would break their network.
+    // Our own filter is gone either way, so the detach itself succeeded
+    // (an enrolment's rollback on 6.1 failed here and undid nothing).
+    let remaining = match filter_lines(iface) {
+        Ok(lines) => lines,
+        Err(e) => {
+            tracing::warn!(%iface, error = %e, "cannot list TC filters: the clsact qdisc ztunnel added is left in place");
+            return Ok(());
+        }
+    };
+    if created_qdisc && remaining.is_empty() {
         Command::new("tc")
             .args(["qdisc", "del", "dev", iface, "clsact"])
             .status()

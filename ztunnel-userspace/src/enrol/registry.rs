@@ -402,8 +402,14 @@ impl PodRegistry {
         let (tc, lookup) = if ebpf {
             let mut programs = self.kernel()?;
             let programs = programs.as_mut().ok_or(EnrolError::NoPrograms)?;
-            self.attach_kernel(&mut programs.ebpf, &req, cookie, flags, &ips, &listeners)
-                .map_err(capture_err)?
+            self.attach_kernel(
+                &mut programs.ebpf,
+                &req,
+                (cookie, flags, kept),
+                &ips,
+                &listeners,
+            )
+            .map_err(capture_err)?
         } else {
             (Vec::new(), None)
         };
@@ -521,18 +527,26 @@ impl PodRegistry {
     /// namespace marked in `POD_CAPTURE` (outbound), in that order, so the
     /// pod's raw sockets are guarded before its connects are captured. A
     /// step that fails undoes the ones before it, so a half-enrolled pod
-    /// never keeps programs that no registry entry will remove.
+    /// never keeps programs that no registry entry will remove. With
+    /// `kept` (an earlier ztunnel left the pod captured), the undo leaves
+    /// the links and filters in place and only withdraws this process's
+    /// listener entries: the pod then fails closed (its `sk_lookup` finds
+    /// no listener) instead of walking around the mesh. On kernels without
+    /// tcx a TC step can fail after the `sk_lookup` link was taken over,
+    /// and removing it then left the pod uncaptured (found on 6.1).
     fn attach_kernel(
         &self,
         ebpf: &mut aya::Ebpf,
         req: &EnrolRequest,
-        cookie: u64,
-        flags: u32,
+        (cookie, flags, kept): (u64, u32, bool),
         ips: &[std::net::IpAddr],
         listeners: &listeners::PodListeners,
     ) -> Result<(Vec<PodTc>, Option<PodLookup>), CaptureError> {
         let mut tc = Vec::new();
         let undo_tc = |tc: &[PodTc]| {
+            if kept {
+                return;
+            }
             for attached in tc.iter().rev() {
                 let _ = tc::detach(&req.netns, attached);
             }
@@ -564,7 +578,9 @@ impl PodRegistry {
         };
         let undo_lookup = |ebpf: &mut aya::Ebpf| {
             if let Some(lookup) = &lookup {
-                let _ = lookup::detach(&lookup.pin);
+                if !kept {
+                    let _ = lookup::detach(&lookup.pin);
+                }
                 let _ = lookup::withdraw_listeners(ebpf, &lookup.keys);
             }
         };
