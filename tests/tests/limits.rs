@@ -659,3 +659,101 @@ fn accept_backs_off_when_out_of_file_descriptors_and_serves_again() {
     eprintln!("accept errors counted: {errors}");
     assert!(errors >= 1, "{text}");
 }
+
+/// A flood of silent connections to one pod's 15008 holds at most that
+/// pod's share of the node's handshake places: while it lasts, another
+/// pod's peers open new HBONE connections to the same node, every one.
+#[test]
+fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
+    if !require_root("a_handshake_flood_against_one_pod_leaves_the_others_reachable") {
+        return;
+    }
+    const NODE: usize = 8;
+    const PER_POD: usize = 4;
+    const FLOOD: usize = 12;
+    let mut cluster = Cluster::new();
+    let b = cluster.add_node("node-b");
+    for pod in ["a1", "b1", "b2", "plain"] {
+        cluster.add_pod(b, pod);
+    }
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("a1", "node-b"),
+            WorkloadEntry::enrolled("b1", "node-b"),
+            WorkloadEntry::enrolled("b2", "node-b"),
+            WorkloadEntry::outside("plain", "node-b"),
+        ],
+    );
+    let (a1, b1, b2) = (cluster.pod("a1"), cluster.pod("b1"), cluster.pod("b2"));
+    let to_b2 = SocketAddr::from((b2.ip, 8080));
+    let _server = flows::server_with(b2, to_b2, "echo", true);
+    let z = Ztunnel::start(
+        &cluster,
+        b,
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            // a1 -> b2 goes through b2's 15008, like a peer node would.
+            "--local-fastpath",
+            "off",
+            "--max-hbone-handshakes",
+            &NODE.to_string(),
+            "--max-pod-hbone-handshakes",
+            &PER_POD.to_string(),
+            "--tls-handshake-timeout-ms",
+            "60000",
+        ],
+    );
+    for pod in ["a1", "b1", "b2"] {
+        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
+    }
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+
+    // More silent connections to b1 than the whole node has places.
+    let mut flood = stall(
+        cluster.pod("plain"),
+        SocketAddr::from((b1.ip, 15008)),
+        FLOOD,
+        5,
+        20,
+    );
+    let opened = flood.read_line(Duration::from_secs(30));
+    assert!(opened.starts_with("OPENED "), "{opened}");
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
+    assert_eq!(
+        value(&text, "ztunnel_hbone_pending_handshakes"),
+        PER_POD as u64,
+        "b1's flood holds only its share: {text}"
+    );
+
+    // Meanwhile b2's peers connect: the first opens an HBONE connection to
+    // b2 (it needs a handshake place), the others ride on it.
+    for i in 0..10 {
+        let done = flows::client(
+            a1,
+            to_b2,
+            &ClientRun {
+                bytes: 1000,
+                limit: Duration::from_secs(20),
+                ..ClientRun::default()
+            },
+        );
+        assert!(
+            done.stdout.contains("RESULT ok"),
+            "connection {i} to b2 failed during the flood against b1: {done:?}"
+        );
+    }
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
+    assert_eq!(
+        value(
+            &text,
+            "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_hbone_handshakes\"}"
+        ),
+        (FLOOD - PER_POD) as u64,
+        "{text}"
+    );
+    assert_eq!(reached(&text, "hbone_handshakes"), 0, "{text}");
+    drop(flood);
+}

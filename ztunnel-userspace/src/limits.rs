@@ -44,6 +44,13 @@ pub const DEFAULT_CONNECTIONS_PER_NODE: usize = 65_536;
 /// is a few hundred. 1,024 bounds what a slowloris holds to 1,024 sockets
 /// for at most the handshake timeout.
 pub const DEFAULT_HBONE_HANDSHAKES: usize = 1_024;
+/// HBONE handshakes in progress to one pod. A quarter of the node's, as
+/// for connections: a flood of silent connections to one pod's 15008 (a
+/// hostile client needs no certificate to start a handshake) then holds
+/// at most a quarter of the node's places, and every other pod's peers
+/// still get through. A legitimate burst to one pod (its clients'
+/// ztunnels reconnecting at once) is one connection per client node.
+pub const DEFAULT_HBONE_HANDSHAKES_PER_POD: usize = 256;
 /// Clients connected to the enrolment socket at once. Enrolments run one at
 /// a time anyway (the registry serialises them); this bounds the threads
 /// that waiting clients hold while leaving room for a burst of CNI calls.
@@ -66,6 +73,8 @@ pub struct Limits {
     pub connections_per_node: usize,
     /// HBONE connections in their handshakes.
     pub hbone_handshakes: usize,
+    /// HBONE connections in their handshakes to one pod.
+    pub hbone_handshakes_per_pod: usize,
     /// Enrolment socket clients.
     pub enrol_clients: usize,
 }
@@ -76,6 +85,7 @@ impl Default for Limits {
             connections_per_pod: DEFAULT_CONNECTIONS_PER_POD,
             connections_per_node: DEFAULT_CONNECTIONS_PER_NODE,
             hbone_handshakes: DEFAULT_HBONE_HANDSHAKES,
+            hbone_handshakes_per_pod: DEFAULT_HBONE_HANDSHAKES_PER_POD,
             enrol_clients: DEFAULT_ENROL_CLIENTS,
         }
     }
@@ -90,6 +100,8 @@ pub enum Limit {
     NodeConnections,
     /// `--max-hbone-handshakes`.
     HboneHandshakes,
+    /// `--max-pod-hbone-handshakes`.
+    PodHboneHandshakes,
     /// `--max-enrol-clients`.
     EnrolClients,
     /// [`ADMIN_CONNECTIONS_PER_LISTENER`].
@@ -103,6 +115,7 @@ impl Limit {
             Self::PodConnections => "pod_connections",
             Self::NodeConnections => "node_connections",
             Self::HboneHandshakes => "hbone_handshakes",
+            Self::PodHboneHandshakes => "pod_hbone_handshakes",
             Self::EnrolClients => "enrol_clients",
             Self::AdminConnections => "admin_connections",
         }
@@ -151,6 +164,7 @@ impl NodeLimits {
         let pod = Arc::new(PodLimit {
             uid: uid.to_owned(),
             open: AtomicUsize::new(0),
+            handshakes: AtomicUsize::new(0),
             node: Arc::clone(self),
             logs: Default::default(),
         });
@@ -178,6 +192,7 @@ impl NodeLimits {
 
     fn refused(&self, pod: &PodLimit, limit: Limit, max: usize) {
         self.metrics.limit_reached(limit.as_str());
+        self.metrics.pod_limit_reached(&pod.uid, limit.as_str());
         let log = &pod.logs[limit as usize];
         if let Some(suppressed) = log.allow() {
             tracing::warn!(
@@ -196,10 +211,12 @@ impl NodeLimits {
 pub struct PodLimit {
     uid: String,
     open: AtomicUsize,
+    /// HBONE handshakes in progress on this pod's 15008.
+    handshakes: AtomicUsize,
     node: Arc<NodeLimits>,
     /// One throttle per [`Limit`], so that one limit's flood does not hide
     /// another's first line.
-    logs: [LogThrottle; 4],
+    logs: [LogThrottle; 5],
 }
 
 impl PodLimit {
@@ -234,15 +251,40 @@ impl PodLimit {
         })
     }
 
-    /// A place among the node's HBONE handshakes for a connection on this
-    /// pod's 15008, or `None` (counted and logged) when they are all taken.
-    pub fn handshake(&self) -> Option<Slot> {
-        let max = self.node.limits.hbone_handshakes;
-        let slot = Slot::take(&self.node.metrics.pending_handshakes, max);
-        if slot.is_none() {
-            self.node.refused(self, Limit::HboneHandshakes, max);
+    /// A place among this pod's and the node's HBONE handshakes for a
+    /// connection on the pod's 15008, or `None` (counted and logged, by pod
+    /// too) when the pod's share or the node's places are all taken.
+    pub fn handshake(self: &Arc<Self>) -> Option<HandshakePlace> {
+        let max = self.node.limits.hbone_handshakes_per_pod;
+        if self.handshakes.fetch_add(1, Ordering::AcqRel) >= max {
+            self.handshakes.fetch_sub(1, Ordering::AcqRel);
+            self.node.refused(self, Limit::PodHboneHandshakes, max);
+            return None;
         }
-        slot
+        let max = self.node.limits.hbone_handshakes;
+        let Some(node) = Slot::take(&self.node.metrics.pending_handshakes, max) else {
+            self.handshakes.fetch_sub(1, Ordering::AcqRel);
+            self.node.refused(self, Limit::HboneHandshakes, max);
+            return None;
+        };
+        Some(HandshakePlace {
+            pod: Arc::clone(self),
+            _node: node,
+        })
+    }
+}
+
+/// One HBONE handshake in progress: counted against its pod and the node
+/// until dropped.
+#[derive(Debug)]
+pub struct HandshakePlace {
+    pod: Arc<PodLimit>,
+    _node: Slot,
+}
+
+impl Drop for HandshakePlace {
+    fn drop(&mut self) {
+        self.pod.handshakes.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -336,6 +378,7 @@ mod tests {
                 connections_per_pod: per_pod,
                 connections_per_node: per_node,
                 hbone_handshakes: 1,
+                hbone_handshakes_per_pod: 1,
                 enrol_clients: 1,
             },
             Metrics::new(),
@@ -389,6 +432,38 @@ mod tests {
         assert!(node.enrol_client().is_none());
         drop(client);
         assert_eq!(node.metrics.enrol_clients.get(), 0);
+    }
+
+    #[test]
+    fn a_pod_flooded_with_handshakes_leaves_the_rest_of_the_node_to_others() {
+        let node = NodeLimits::new(
+            Limits {
+                hbone_handshakes: 4,
+                hbone_handshakes_per_pod: 2,
+                ..Limits::default()
+            },
+            Metrics::new(),
+        );
+        let (victim, other) = (node.pod("victim"), node.pod("other"));
+        let flood: Vec<_> = (0..2)
+            .map(|_| victim.handshake().expect("within the pod's share"))
+            .collect();
+        assert!(victim.handshake().is_none(), "past the pod's share");
+        let others: Vec<_> = (0..2)
+            .map(|_| other.handshake().expect("the node has room for other pods"))
+            .collect();
+        assert!(other.handshake().is_none(), "its own share is 2 as well");
+        assert_eq!(node.metrics.pending_handshakes.get(), 4);
+        drop((flood, others));
+        assert_eq!(node.metrics.pending_handshakes.get(), 0);
+        assert!(victim.handshake().is_some(), "places come back");
+        let text = node.metrics.encode();
+        assert!(
+            text.contains(
+                "ztunnel_pod_limit_reached_total{pod=\"victim\",limit=\"pod_hbone_handshakes\"} 1"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

@@ -292,6 +292,11 @@ struct RunArgs {
     /// (limit="hbone_handshakes").
     #[arg(long, env = "ZTUNNEL_MAX_HBONE_HANDSHAKES", value_parser = at_least_one(), default_value_t = limits::DEFAULT_HBONE_HANDSHAKES as u64)]
     max_hbone_handshakes: u64,
+    /// HBONE connections to one pod in their TLS or HTTP/2 handshake at
+    /// once; one more is reset at once (limit="pod_hbone_handshakes"), so
+    /// a flood against one pod leaves the node's other places to the rest.
+    #[arg(long, env = "ZTUNNEL_MAX_POD_HBONE_HANDSHAKES", value_parser = at_least_one(), default_value_t = limits::DEFAULT_HBONE_HANDSHAKES_PER_POD as u64)]
+    max_pod_hbone_handshakes: u64,
     /// Clients connected to the enrolment socket at once; one more is
     /// answered with an error and closed (limit="enrol_clients").
     #[arg(long, env = "ZTUNNEL_MAX_ENROL_CLIENTS", value_parser = at_least_one(), default_value_t = limits::DEFAULT_ENROL_CLIENTS as u64)]
@@ -525,6 +530,8 @@ fn settings(args: RunArgs) -> app::Settings {
             connections_per_node: usize::try_from(args.max_connections_per_node)
                 .unwrap_or(usize::MAX),
             hbone_handshakes: usize::try_from(args.max_hbone_handshakes).unwrap_or(usize::MAX),
+            hbone_handshakes_per_pod: usize::try_from(args.max_pod_hbone_handshakes)
+                .unwrap_or(usize::MAX),
             enrol_clients: usize::try_from(args.max_enrol_clients).unwrap_or(usize::MAX),
         },
     }

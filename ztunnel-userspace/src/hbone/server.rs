@@ -36,7 +36,7 @@ use super::{CONNECTION_WINDOW, MAX_FRAME, SERVER_MAX_STREAMS, STREAM_WINDOW};
 use crate::{
     accept::{AcceptLoop, ListenerKind},
     identity::{Identity, identity_of},
-    limits::Slot,
+    limits::HandshakePlace,
     proxy::{
         connections::InboundConnection, is_own_port, next_connection_id,
         socket_factory::SocketFactory,
@@ -132,7 +132,7 @@ async fn connection(
     peer: SocketAddr,
     acceptor: TlsAcceptor,
     server: &HboneServer,
-    handshake_place: Slot,
+    handshake_place: HandshakePlace,
 ) -> Result<(), ServerError> {
     let local = tcp.local_addr().map_err(|e| e.to_string())?;
     tcp.set_nodelay(true).map_err(|e| e.to_string())?;

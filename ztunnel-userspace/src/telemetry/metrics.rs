@@ -110,6 +110,15 @@ pub struct LimitLabels {
     pub limit: String,
 }
 
+/// Labels of a pod's refusals by a limit.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodLimitLabels {
+    /// The pod (enrolment uid).
+    pub pod: String,
+    /// Which limit (see [`crate::limits::Limit`]).
+    pub limit: String,
+}
+
 /// Labels of TLS handshakes.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HandshakeLabels {
@@ -179,6 +188,9 @@ pub struct Metrics {
     /// `ztunnel_limit_reached_total{limit}`: connections and clients
     /// refused because a limit was reached.
     pub limits_reached: Family<LimitLabels, Counter>,
+    /// The same refusals of pods' connections, by pod: which pod is over
+    /// its share.
+    pub pod_limits_reached: Family<PodLimitLabels, Counter>,
     /// `ztunnel_accepted_connections`: connections accepted on the pods'
     /// listeners and still open (what `--max-connections-per-node` counts).
     pub accepted: Gauge<i64, AtomicI64>,
@@ -230,6 +242,7 @@ impl Metrics {
             handshakes: Family::default(),
             accept_errors: Family::default(),
             limits_reached: Family::default(),
+            pod_limits_reached: Family::default(),
             accepted: Gauge::default(),
             pending_handshakes: Gauge::default(),
             enrol_clients: Gauge::default(),
@@ -309,6 +322,11 @@ impl Metrics {
             "ztunnel_limit_reached",
             "Connections or clients refused because a limit was reached, by limit",
             this.limits_reached.clone(),
+        );
+        registry.register(
+            "ztunnel_pod_limit_reached",
+            "Connections of a pod refused because it or the node reached a limit, by pod and limit",
+            this.pod_limits_reached.clone(),
         );
         registry.register(
             "ztunnel_accepted_connections",
@@ -439,6 +457,16 @@ impl Metrics {
     pub fn limit_reached(&self, limit: &str) {
         self.limits_reached
             .get_or_create(&LimitLabels {
+                limit: limit.into(),
+            })
+            .inc();
+    }
+
+    /// Counts a refusal of one of pod `pod`'s connections by `limit`.
+    pub fn pod_limit_reached(&self, pod: &str, limit: &str) {
+        self.pod_limits_reached
+            .get_or_create(&PodLimitLabels {
+                pod: pod.into(),
                 limit: limit.into(),
             })
             .inc();
