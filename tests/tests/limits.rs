@@ -660,6 +660,13 @@ fn accept_backs_off_when_out_of_file_descriptors_and_serves_again() {
     assert!(errors >= 1, "{text}");
 }
 
+/// The node's handshake places in the flood test.
+const NODE: usize = 8;
+/// One pod's share of them.
+const PER_POD: usize = 4;
+/// Silent connections the flood opens against one pod: more than the node has.
+const FLOOD: usize = 12;
+
 /// A flood of silent connections to one pod's 15008 holds at most that
 /// pod's share of the node's handshake places: while it lasts, another
 /// pod's peers open new HBONE connections to the same node, every one.
@@ -668,9 +675,6 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
     if !require_root("a_handshake_flood_against_one_pod_leaves_the_others_reachable") {
         return;
     }
-    const NODE: usize = 8;
-    const PER_POD: usize = 4;
-    const FLOOD: usize = 12;
     let mut cluster = Cluster::new();
     let b = cluster.add_node("node-b");
     for pod in ["a1", "b1", "b2", "plain"] {
