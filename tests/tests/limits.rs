@@ -661,11 +661,11 @@ fn accept_backs_off_when_out_of_file_descriptors_and_serves_again() {
 }
 
 /// The node's handshake places in the flood test.
-const NODE: usize = 8;
+const FLOOD_NODE: usize = 8;
 /// One pod's share of them.
-const PER_POD: usize = 4;
+const FLOOD_PER_POD: usize = 4;
 /// Silent connections the flood opens against one pod: more than the node has.
-const FLOOD: usize = 12;
+const FLOOD_COUNT: usize = 12;
 
 /// A flood of silent connections to one pod's 15008 holds at most that
 /// pod's share of the node's handshake places: while it lasts, another
@@ -703,9 +703,9 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
             "--local-fastpath",
             "off",
             "--max-hbone-handshakes",
-            &NODE.to_string(),
+            &FLOOD_NODE.to_string(),
             "--max-pod-hbone-handshakes",
-            &PER_POD.to_string(),
+            &FLOOD_PER_POD.to_string(),
             "--tls-handshake-timeout-ms",
             "60000",
         ],
@@ -719,7 +719,7 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
     let mut flood = stall(
         cluster.pod("plain"),
         SocketAddr::from((b1.ip, 15008)),
-        FLOOD,
+        FLOOD_COUNT,
         5,
         20,
     );
@@ -728,7 +728,7 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
     let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(
         value(&text, "ztunnel_hbone_pending_handshakes"),
-        PER_POD as u64,
+        FLOOD_PER_POD as u64,
         "b1's flood holds only its share: {text}"
     );
 
@@ -755,7 +755,7 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
             &text,
             "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_hbone_handshakes\"}"
         ),
-        (FLOOD - PER_POD) as u64,
+        (FLOOD_COUNT - FLOOD_PER_POD) as u64,
         "{text}"
     );
     assert_eq!(reached(&text, "hbone_handshakes"), 0, "{text}");
