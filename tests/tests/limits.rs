@@ -725,12 +725,23 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
     );
     let opened = flood.read_line(Duration::from_secs(30));
     assert!(opened.starts_with("OPENED "), "{opened}");
-    let text = Ztunnel::metrics_of(&cluster, b, &cg);
-    assert_eq!(
-        value(&text, "ztunnel_hbone_pending_handshakes"),
-        FLOOD_PER_POD as u64,
-        "b1's flood holds only its share: {text}"
+    // The client's connects are done; ztunnel may still be accepting them.
+    let series = "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_hbone_handshakes\"}";
+    wait_for_value(
+        &cluster,
+        b,
+        &cg,
+        series,
+        (FLOOD_COUNT - FLOOD_PER_POD) as u64,
     );
+    let text = wait_for_value(
+        &cluster,
+        b,
+        &cg,
+        "ztunnel_hbone_pending_handshakes",
+        FLOOD_PER_POD as u64,
+    );
+    assert_eq!(reached(&text, "hbone_handshakes"), 0, "{text}");
 
     // Meanwhile b2's peers connect: the first opens an HBONE connection to
     // b2 (it needs a handshake place), the others ride on it.
@@ -751,10 +762,7 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
     }
     let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(
-        value(
-            &text,
-            "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_hbone_handshakes\"}"
-        ),
+        value(&text, series),
         (FLOOD_COUNT - FLOOD_PER_POD) as u64,
         "{text}"
     );

@@ -17,8 +17,12 @@
 //! socket (IP fragments, an IPv6 fragment header, too many extension
 //! headers, IP-in-IP, GRE, ESP, a VLAN tag) is dropped as well.
 //!
-//! What stays possible is written down in docs/threat-model.md: a packet
-//! socket with `PACKET_QDISC_BYPASS` skips TC egress altogether.
+//! The packet starts with an Ethernet header: userspace attaches the
+//! program only to an Ethernet interface (an L3 device would put the IP
+//! header where this reads the EtherType) and refuses the enrolment
+//! otherwise. What stays possible is written down in docs/threat-model.md:
+//! a packet socket with `PACKET_QDISC_BYPASS`, and AF_XDP, skip TC egress
+//! altogether.
 
 use aya_ebpf::{
     bindings::{TC_ACT_SHOT, bpf_sock},
@@ -143,6 +147,11 @@ fn ipv4(ctx: &TcContext) -> Verdict {
     }
     let header = usize::from(vihl & 0x0f) * 4;
     let total = usize::from(u16::from_be(total_be));
+    // A total length of 0 (what BIG TCP puts in its giant segments, which
+    // receivers size by the packet instead) hides the payload's size.
+    if total == 0 {
+        return Verdict::Hidden;
+    }
     tcp(ctx, ETH_HLEN + header, total.saturating_sub(header))
 }
 
@@ -154,6 +163,11 @@ fn ipv6(ctx: &TcContext) -> Verdict {
         return Verdict::Hidden;
     };
     let payload = usize::from(u16::from_be(payload_be));
+    // Payload length 0 with a hop-by-hop header is a jumbogram, whose size
+    // is in an option this program does not read.
+    if payload == 0 {
+        return Verdict::Hidden;
+    }
     let mut offset = ETH_HLEN + 40;
     let mut used = 0usize;
     for _ in 0..MAX_IPV6_EXT {

@@ -109,6 +109,14 @@ pub enum Limit {
 }
 
 impl Limit {
+    /// The limits that refuse a pod's connections (counted by pod).
+    pub const POD: [Self; 4] = [
+        Self::PodConnections,
+        Self::NodeConnections,
+        Self::HboneHandshakes,
+        Self::PodHboneHandshakes,
+    ];
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -175,6 +175,24 @@ pub fn attach(
     mode.check()?;
     let prog: &mut SchedClassifier = program_mut(ebpf, hook.program())?;
     let target = format!("{iface} in {}", netns.name());
+    if hook == TcHook::Egress {
+        // The guard reads Ethernet frames; on another kind of device it
+        // would read the wrong bytes and let everything pass. Refuse.
+        let kind = netns
+            .run(|| link_type(iface))?
+            .map_err(|source| CaptureError::Io {
+                what: format!("reading the link type of {target}"),
+                source,
+            })?;
+        if kind != libc::ARPHRD_ETHER {
+            return Err(CaptureError::Io {
+                what: format!(
+                    "{target} is not an Ethernet device (link type {kind}): the egress guard reads Ethernet frames and is not attached to it"
+                ),
+                source: std::io::Error::from(std::io::ErrorKind::Unsupported),
+            });
+        }
+    }
     match mode.resolve() {
         TcMode::Tcx | TcMode::Auto => {
             let pin = pins.link(&hook.pin_name(pod_id));
@@ -342,6 +360,34 @@ fn detach_netlink(hook: TcHook, iface: &str, created_qdisc: bool) -> Result<(), 
     Ok(())
 }
 
+/// The link type (`ARPHRD_*`) of interface `iface` in the calling thread's
+/// network namespace.
+fn link_type(iface: &str) -> std::io::Result<u16> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: plain socket(2); the fd is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: all-zero is a valid ifreq.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let name = iface.as_bytes();
+    if name.len() >= req.ifr_name.len() {
+        return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+    }
+    for (dst, src) in req.ifr_name.iter_mut().zip(name) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFHWADDR fills the ifreq passed, of the right type.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFHWADDR, &raw mut req) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: SIOCGIFHWADDR set the hardware address member of the union.
+    Ok(unsafe { req.ifr_ifru.ifru_hwaddr.sa_family })
+}
+
 /// The `tc filter show` lines of both of `iface`'s clsact hooks.
 fn filter_lines(iface: &str) -> Result<Vec<String>, CaptureError> {
     let mut lines = Vec::new();
@@ -403,6 +449,12 @@ mod tests {
         assert!(!is_foreign_filter("  action order 1: gact action drop"));
         assert!(is_foreign_filter(cni));
         assert!(is_foreign_filter(same_prio));
+    }
+
+    #[test]
+    fn the_link_type_of_an_interface_is_read() {
+        assert_eq!(link_type("lo").expect("lo"), libc::ARPHRD_LOOPBACK);
+        assert!(link_type("no-such-if0").is_err());
     }
 
     #[test]

@@ -743,6 +743,7 @@ impl PodRegistry {
         };
         self.shared
             .forget_pod(&pod.ips, (!identity_in_use).then_some(&pod.identity));
+        self.shared.metrics.forget_pod_limits(uid);
         for task in &pod.tasks {
             task.abort();
         }

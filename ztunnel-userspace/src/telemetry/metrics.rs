@@ -472,6 +472,17 @@ impl Metrics {
             .inc();
     }
 
+    /// Drops pod `pod`'s refusal counts (it left the node): the series
+    /// would otherwise grow with every pod that ever hit a limit.
+    pub fn forget_pod_limits(&self, pod: &str) {
+        for limit in crate::limits::Limit::POD {
+            self.pod_limits_reached.remove(&PodLimitLabels {
+                pod: pod.into(),
+                limit: limit.as_str().into(),
+            });
+        }
+    }
+
     /// Counts an open connection closed because `policy` no longer allows it.
     pub fn closed_by_policy(&self, policy: &str) {
         self.policy_closes
