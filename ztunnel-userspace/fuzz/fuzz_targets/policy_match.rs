@@ -363,8 +363,7 @@ fuzz_target!(|input: Input| {
         ..LocalConfig::default()
     };
     let state = MeshState::new(config);
-    let own = Identity::new(TRUST_DOMAIN, &namespace, "target");
-    let inbound = state.authorize_inbound("target", &own, &peer, port);
+    let inbound = state.authorize_inbound("target", &peer, port);
     let expected = !(identity.is_none() && mode == MtlsMode::Strict) && allowed(&decision);
     assert_eq!(
         inbound.is_ok(),
@@ -433,6 +432,10 @@ fuzz_target!(|input: Input| {
         );
     }
 
-    // An unknown destination uid falls back to the identity's namespace.
-    let _ = state.authorize_inbound("unknown", &own, &peer, port);
+    // A pod whose workload is unknown is refused, whatever the policies.
+    let unknown = state.authorize_inbound("unknown", &peer, port);
+    assert_eq!(
+        unknown.map_err(|(label, _)| label),
+        Err("workload_unknown".to_owned())
+    );
 });
