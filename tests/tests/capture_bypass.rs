@@ -892,6 +892,12 @@ fn an_enrolled_pod_without_its_workload_gets_no_traffic() {
     for server in &mut servers {
         assert!(accepts(server).is_empty());
     }
+    let dump = Ztunnel::config_dump_of(&s.cluster, 0);
+    assert_eq!(
+        dump["podsWithoutWorkload"],
+        serde_json::json!(["stranger"]),
+        "config_dump names the pod that gets no traffic"
+    );
     assert!(
         s.z.count_log_lines(&[
             "access",
@@ -922,4 +928,6 @@ fn an_enrolled_pod_without_its_workload_gets_no_traffic() {
     flows::assert_ok(&flows::client(attacker, inbound[0], &quick));
     flows::assert_ok(&flows::client(client, inbound[1], &quick));
     flows::assert_ok(&flows::client(ghost, outbound, &quick));
+    let dump = Ztunnel::config_dump_of(&s.cluster, 0);
+    assert_eq!(dump["podsWithoutWorkload"], serde_json::json!([]));
 }

@@ -338,6 +338,15 @@ fn config_dump(state: &AdminState) -> String {
         "outboundTrafficPolicy": config.outbound_traffic_policy,
         "certificates": shared.certs.dump(),
         "enrolledPods": state.registry.list(),
+        // Enrolled pods that get no traffic because the mesh state does not
+        // list their workload (`state::mesh::WORKLOAD_UNKNOWN`).
+        "podsWithoutWorkload": state
+            .registry
+            .list()
+            .into_iter()
+            .filter(|p| mesh.workload(&p.uid).is_none())
+            .map(|p| p.uid)
+            .collect::<Vec<_>>(),
         "capture": {
             "cgroup": state.cgroup,
             "pins": state.registry.pins().pinned_objects(),
