@@ -79,18 +79,28 @@ fn setup(extra: &str) -> Setup {
         node,
         &["--config", config.to_str().expect("utf-8")],
     );
+    wait_enrolled(&z);
+    Setup { z, cluster }
+}
+
+/// Waits until `z` enrolled the config's three pods.
+fn wait_enrolled(z: &Ztunnel) {
     let deadline = Instant::now() + Duration::from_secs(15);
     while z.count_log_lines(&["pod enrolled"]) < 3 {
         assert!(Instant::now() < deadline, "pods not enrolled:\n{}", z.log());
         std::thread::sleep(Duration::from_millis(50));
     }
-    Setup { z, cluster }
 }
 
 /// Rewrites the config and waits until ztunnel applied it.
 fn apply(setup: &Setup, extra: &str) {
+    apply_entries(setup, &entries(), extra);
+}
+
+/// [`apply`] with other workload entries.
+fn apply_entries(setup: &Setup, entries: &[WorkloadEntry], extra: &str) {
     let before = setup.z.count_log_lines(&["config changed: applying"]);
-    flows::write_config_with(&setup.cluster, "mesh.yaml", &entries(), extra);
+    flows::write_config_with(&setup.cluster, "mesh.yaml", entries, extra);
     let deadline = Instant::now() + Duration::from_secs(10);
     while setup.z.count_log_lines(&["config changed: applying"]) <= before {
         assert!(
@@ -797,15 +807,7 @@ fn addresses_a_pod_adds_to_itself_are_ignored_at_a_restart() {
         0,
         &["--config", config.to_str().expect("utf-8")],
     );
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while s.z.count_log_lines(&["pod enrolled"]) < 3 {
-        assert!(
-            Instant::now() < deadline,
-            "pods not enrolled:\n{}",
-            s.z.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_enrolled(&s.z);
     for (i, dst) in targets.iter().enumerate() {
         for from in [attacker, app] {
             let done = flows::client(from, *dst, &flows::ClientRun::default());
@@ -914,17 +916,7 @@ fn an_enrolled_pod_without_its_workload_gets_no_traffic() {
         enrolled: false,
         ..WorkloadEntry::enrolled("stranger", "node-a")
     });
-    let before = s.z.count_log_lines(&["config changed: applying"]);
-    flows::write_config_with(&s.cluster, "mesh.yaml", &listed, "");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while s.z.count_log_lines(&["config changed: applying"]) <= before {
-        assert!(
-            Instant::now() < deadline,
-            "config not applied:\n{}",
-            s.z.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    apply_entries(&s, &listed, "");
     flows::assert_ok(&flows::client(attacker, inbound[0], &quick));
     flows::assert_ok(&flows::client(client, inbound[1], &quick));
     flows::assert_ok(&flows::client(ghost, outbound, &quick));

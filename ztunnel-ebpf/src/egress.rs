@@ -32,23 +32,18 @@ use aya_ebpf::{
 };
 use ztunnel_common::{AF_INET, AF_INET6, Counter};
 
-use crate::maps::count;
+use crate::{
+    maps::count,
+    net::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IP_MF_OR_OFFSET, IPPROTO_TCP, TC_ACT_UNSPEC},
+};
 
-/// Let the next program or filter decide (tcx: `TCX_NEXT`).
-const TC_ACT_UNSPEC: i32 = -1;
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
 /// 802.1Q and 802.1ad: a tag in front of the IP header.
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const SOCK_STREAM: u32 = 1;
-const IPPROTO_TCP: u8 = 6;
 /// Protocols that can carry TCP inside where this program does not look:
 /// IPv4-in-IP, IPv6-in-IP, GRE, ESP.
 const ENCAPSULATIONS: [u8; 4] = [4, 41, 47, 50];
-/// IPv4 flags + fragment offset: "more fragments" and the 13-bit offset.
-const IP_MF_OR_OFFSET: u16 = 0x3fff;
 /// IPv6 extension headers walked over: hop-by-hop, routing, destination
 /// options (length in 8-octet units past the first 8), authentication
 /// (length in 4-octet units past the first 8).

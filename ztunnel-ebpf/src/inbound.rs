@@ -18,16 +18,11 @@
 use aya_ebpf::{macros::classifier, programs::TcContext};
 use ztunnel_common::Counter;
 
-use crate::maps::count;
+use crate::{
+    maps::count,
+    net::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IP_MF_OR_OFFSET, IPPROTO_TCP, TC_ACT_UNSPEC},
+};
 
-/// Let the next program or filter decide (tcx: `TCX_NEXT`).
-const TC_ACT_UNSPEC: i32 = -1;
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
-const IPPROTO_TCP: u8 = 6;
-/// IPv4 flags + fragment offset: "more fragments" and the 13-bit offset.
-const IP_MF_OR_OFFSET: u16 = 0x3fff;
 /// IPv6 next-header values of the extension headers that can precede TCP:
 /// hop-by-hop, routing, fragment, destination options.
 const IPV6_EXT_HEADERS: [u8; 4] = [0, 43, 44, 60];

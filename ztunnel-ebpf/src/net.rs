@@ -2,6 +2,16 @@
 
 use ztunnel_common::{IpBytes, v4_mapped};
 
+/// Let the next TC program or filter decide (tcx: `TCX_NEXT`).
+pub const TC_ACT_UNSPEC: i32 = -1;
+/// Ethernet header length: where the IP header starts in a TC program.
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
+pub const IPPROTO_TCP: u8 = 6;
+/// IPv4 flags + fragment offset: "more fragments" and the 13-bit offset.
+pub const IP_MF_OR_OFFSET: u16 = 0x3fff;
+
 /// A `u32` that the kernel stored in network order, as its four bytes.
 #[inline(always)]
 pub fn ip4_bytes(raw_be: u32) -> [u8; 4] {

@@ -565,6 +565,12 @@ impl StateHandle {
     /// `limit` that does, or the newest one after `limit` (whose policy
     /// checks then refuse the connection: [`WORKLOAD_UNKNOWN`]).
     pub async fn current_for(&self, uid: &str, limit: std::time::Duration) -> Arc<MeshState> {
+        // The common case costs one read; only an unknown pod subscribes
+        // (and reads again after subscribing, so no change is missed).
+        let state = self.current();
+        if state.workload(uid).is_some() {
+            return state;
+        }
         let mut changes = self.generation.subscribe();
         let state = self.current();
         if state.workload(uid).is_some() {
