@@ -84,6 +84,14 @@ fn workspace_root() -> Result<PathBuf> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let root = workspace_root()?;
+    if std::env::var("CI").as_deref() == Ok("true")
+        && std::env::var_os("CARGO_INCREMENTAL").is_none()
+    {
+        // A CI run builds a clean clone once: incremental state (3.5 GB of
+        // the debug folder) is never reused there, only stored.
+        // SAFETY: set before any thread is started.
+        unsafe { std::env::set_var("CARGO_INCREMENTAL", "0") };
+    }
     match cli.command {
         Cmd::BuildEbpf { release: _ } => ebpf::build(&root, true),
         Cmd::Test(args) => test::run(&root, &args),
