@@ -102,8 +102,13 @@ fn attach_count_detach(mode: TcMode) {
     let pins = PinRoot::prepare(&cluster.bpffs().path().join("ztunnel")).expect("pin root");
     let mut programs = loader::load(&pins).expect("load the eBPF object");
     let client = cluster.pod("client");
-    capture::cgroup::attach(&mut programs.ebpf, &pins, client.cgroup(), false)
-        .expect("attach cgroup programs");
+    capture::cgroup::attach(
+        &mut programs.ebpf,
+        &pins,
+        client.cgroup(),
+        capture::cgroup::KernelSettings::default(),
+    )
+    .expect("attach cgroup programs");
     let netns = PodNetns::open(&client.netns_path()).expect("open pod netns");
     let ingress = capture::tc::attach(
         &mut programs.ebpf,

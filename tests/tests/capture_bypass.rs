@@ -830,6 +830,108 @@ fn addresses_a_pod_adds_to_itself_are_ignored_at_a_restart() {
     );
 }
 
+/// Enrols `pod` (as uid `uid`) over `z`'s enrolment socket.
+fn enrol_over_socket(z: &Ztunnel, pod: &Pod, uid: &str) {
+    let out = std::process::Command::new(sibling_bin("ztunnel"))
+        .arg("enrol")
+        .arg("--socket")
+        .arg(&z.socket)
+        .args(["add", "--uid", uid, "--name", uid])
+        .args(["--namespace", "test", "--service-account", uid])
+        .arg("--netns")
+        .arg(pod.netns_path())
+        .output()
+        .expect("run ztunnel enrol");
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// The gap a restart under istiod leaves: pods are enrolled before the
+/// first push, so the state cannot say which addresses are whose, and a
+/// pod that added a neighbour's address to itself keeps it. The first
+/// state that lists the pods takes it away, and the neighbour then
+/// enrols with its own addresses and gets its own traffic.
+#[test]
+fn addresses_a_pod_took_before_the_state_listed_it_are_taken_back() {
+    if !require_root("addresses_a_pod_took_before_the_state_listed_it_are_taken_back") {
+        return;
+    }
+    let s = setup("");
+    let (victim, thief, attacker) = (
+        s.cluster.pod("open"),
+        s.cluster.pod("stranger"),
+        s.cluster.pod("attacker"),
+    );
+    // Nothing in the state knows the victim's addresses yet.
+    let without_victim: Vec<WorkloadEntry> =
+        entries().into_iter().filter(|e| e.pod != "open").collect();
+    apply_entries(&s, &without_victim, "");
+    s.z.wait_for_log("pod removed pod=open", Duration::from_secs(10));
+    // As in the restart test: the stolen addresses on the thief's loopback.
+    thief
+        .netns()
+        .exec("sysctl", &["-qw", "net.ipv4.conf.all.arp_ignore=1"]);
+    thief.netns().exec(
+        "ip",
+        &["addr", "add", &format!("{}/32", victim.ip), "dev", "lo"],
+    );
+    thief.netns().exec(
+        "ip",
+        &[
+            "addr",
+            "add",
+            &format!("{}/128", victim.ip6),
+            "dev",
+            "lo",
+            "nodad",
+        ],
+    );
+    enrol_over_socket(&s.z, thief, "stranger");
+    let targets = [sa(victim.ip, APP_PORT), sa(victim.ip6, APP_PORT)];
+    let mut victims: Vec<_> = targets
+        .iter()
+        .map(|t| flows::server(victim, *t, "echo"))
+        .collect();
+    let mut thieves: Vec<_> = targets
+        .iter()
+        .map(|t| flows::server(thief, *t, "echo"))
+        .collect();
+
+    // The state arrives listing both pods: the thief loses what it took,
+    // and the victim enrols.
+    let enrolled_before = s.z.count_log_lines(&["pod enrolled pod=open"]);
+    let mut listed = entries();
+    listed.push(WorkloadEntry {
+        enrolled: false,
+        ..WorkloadEntry::enrolled("stranger", "node-a")
+    });
+    apply_entries(&s, &listed, "");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.z.count_log_lines(&["pod enrolled pod=open"]) <= enrolled_before {
+        assert!(
+            Instant::now() < deadline,
+            "the victim was not enrolled again:\n{}",
+            s.z.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        s.z.count_log_lines(&["address withdrawn from the pod", "pod=stranger"]),
+        2,
+        "{}",
+        s.z.log()
+    );
+    for (i, dst) in targets.iter().enumerate() {
+        let done = flows::client(attacker, *dst, &flows::ClientRun::default());
+        let stolen = accepts(&mut thieves[i]);
+        assert!(
+            stolen.is_empty(),
+            "the thief got {dst}'s connection: {stolen:?}"
+        );
+        flows::assert_ok(&done);
+        assert!(!flows::last_peer(&mut victims[i]).is_empty(), "{dst}");
+    }
+}
+
 /// A pod enrolled over the socket whose workload the mesh state does not
 /// list: its labels are unknown, so label-selected STRICT and DENY could
 /// not apply. It gets no inbound (plaintext or same-node) and no outbound,
@@ -847,18 +949,7 @@ fn an_enrolled_pod_without_its_workload_gets_no_traffic() {
         s.cluster.pod("client"),
         s.cluster.pod("open"),
     );
-    let netns = ghost.netns_path();
-    let out = std::process::Command::new(sibling_bin("ztunnel"))
-        .arg("enrol")
-        .arg("--socket")
-        .arg(&s.z.socket)
-        .args(["add", "--uid", "stranger", "--name", "stranger"])
-        .args(["--namespace", "test", "--service-account", "stranger"])
-        .arg("--netns")
-        .arg(&netns)
-        .output()
-        .expect("run ztunnel enrol");
-    assert!(out.status.success(), "{out:?}");
+    enrol_over_socket(&s.z, ghost, "stranger");
     let inbound = [sa(ghost.ip, APP_PORT), sa(ghost.ip6, APP_PORT)];
     let mut servers: Vec<_> = inbound
         .iter()

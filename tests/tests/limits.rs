@@ -262,6 +262,186 @@ fn connections_over_the_pod_and_node_limits_are_refused_at_once() {
     let _again = held(plain, to_b1, PER_POD, "b1-again");
 }
 
+/// `--max-connections-per-pod` in the streams test.
+const STREAMS_PER_POD: usize = 4;
+
+#[test]
+fn hbone_streams_count_against_the_destination_pods_limit() {
+    if !require_root("hbone_streams_count_against_the_destination_pods_limit") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let b = cluster.add_node("node-b");
+    for pod in ["a1", "b1", "plain"] {
+        cluster.add_pod(b, pod);
+    }
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("a1", "node-b"),
+            WorkloadEntry::enrolled("b1", "node-b"),
+            WorkloadEntry::outside("plain", "node-b"),
+        ],
+    );
+    let (a1, b1) = (cluster.pod("a1"), cluster.pod("b1"));
+    let to_b1 = SocketAddr::from((b1.ip, 8080));
+    let _server = flows::server_with(b1, to_b1, "echo", true);
+    let z = Ztunnel::start(
+        &cluster,
+        b,
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            // a1 -> b1 goes through b1's 15008 as from a peer node: one
+            // pooled HBONE connection carrying a stream per connection.
+            "--local-fastpath",
+            "off",
+            "--max-connections-per-pod",
+            &STREAMS_PER_POD.to_string(),
+        ],
+    );
+    for pod in ["a1", "b1"] {
+        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
+    }
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+
+    // On b1's side the HBONE connection takes one place and each stream
+    // one more: three streams fill b1's four.
+    let held_streams = held(a1, to_b1, STREAMS_PER_POD - 1, "a1-held");
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
+    assert_eq!(value(&text, "ztunnel_hbone_pool_connections"), 1, "{text}");
+    // A fourth stream on the same connection is refused by b1's limit (a1
+    // holds only three of its own four places).
+    let took = refused(a1, to_b1, "a1-over");
+    assert!(took < AT_ONCE, "the refusal took {took:?}");
+    let text = wait_for_value(
+        &cluster,
+        b,
+        &cg,
+        "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_connections\"}",
+        1,
+    );
+    assert_eq!(
+        value(
+            &text,
+            "ztunnel_pod_limit_reached_total{pod=\"a1\",limit=\"pod_connections\"}"
+        ),
+        0,
+        "{text}"
+    );
+    z.wait_for_log("limit reached", Duration::from_secs(5));
+    assert_eq!(
+        z.count_log_lines(&["limit reached", "pod=b1", "limit=\"pod_connections\""]),
+        1,
+        "one warning naming the pod and the limit"
+    );
+
+    // Closed streams give their places back.
+    drop(held_streams);
+    let quick = ClientRun {
+        limit: Duration::from_secs(20),
+        ..ClientRun::default()
+    };
+    let deadline = Instant::now() + ztunnel_tests::patience(Duration::from_secs(10));
+    loop {
+        let text = Ztunnel::metrics_of(&cluster, b, &cg);
+        // a1's outbound connections and b1's streams are gone; the pooled
+        // HBONE connection may stay.
+        if value(&text, "ztunnel_accepted_connections") <= 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "places not given back:\n{text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    flows::assert_ok(&flows::client(a1, to_b1, &quick));
+}
+
+/// `--max-pod-pending-legs` in the legs test.
+const LEGS_PER_POD: usize = 8;
+/// Connections to the pod whose application never answers.
+const LEGS_TRIED: usize = 20;
+
+#[test]
+fn legs_to_an_application_that_never_answers_hold_only_the_pods_share() {
+    if !require_root("legs_to_an_application_that_never_answers_hold_only_the_pods_share") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let b = cluster.add_node("node-b");
+    for pod in ["b1", "b2", "plain"] {
+        cluster.add_pod(b, pod);
+    }
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("b1", "node-b"),
+            WorkloadEntry::enrolled("b2", "node-b"),
+            WorkloadEntry::outside("plain", "node-b"),
+        ],
+    );
+    let (b1, b2, plain) = (cluster.pod("b1"), cluster.pod("b2"), cluster.pod("plain"));
+    let to_b1 = SocketAddr::from((b1.ip, 8080));
+    let to_b2 = SocketAddr::from((b2.ip, 8080));
+    let _s1 = flows::server_with(b1, to_b1, "echo", true);
+    let _s2 = flows::server_with(b2, to_b2, "echo", true);
+    let z = Ztunnel::start(
+        &cluster,
+        b,
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            "--max-pod-pending-legs",
+            &LEGS_PER_POD.to_string(),
+            // Legs hang for the whole test.
+            "--connect-timeout-ms",
+            "60000",
+        ],
+    );
+    for pod in ["b1", "b2"] {
+        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
+    }
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+
+    // b1 drops the SYNs of ztunnel's legs to its application (they come
+    // from inside the pod, over `lo`; the clients' own SYNs on eth0 still
+    // reach ztunnel), so each leg's connect hangs holding its
+    // INBOUND_LEGS entry.
+    b1.netns().exec("nft", &["add table inet hog"]);
+    b1.netns().exec(
+        "nft",
+        &["add chain inet hog in { type filter hook input priority 0 ; }"],
+    );
+    b1.netns().exec(
+        "nft",
+        &["add rule inet hog in iifname lo tcp dport 8080 drop"],
+    );
+    let mut cmd = plain.command(&sibling_bin("zt-hostile"));
+    cmd.args(["hang", "--connect", &to_b1.to_string()]);
+    cmd.args(["--count", &LEGS_TRIED.to_string(), "--hold-secs", "60"]);
+    let mut hang = PodProcess::spawn("hang", cmd);
+    let opened = hang.read_line(Duration::from_secs(30));
+    assert_eq!(opened, format!("OPENED {LEGS_TRIED} failed=0"), "{opened}");
+
+    // b1 holds its share of legs; every connection beyond it is refused
+    // at once and counted against b1 by name.
+    wait_for_value(
+        &cluster,
+        b,
+        &cg,
+        "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_pending_legs\"}",
+        (LEGS_TRIED - LEGS_PER_POD) as u64,
+    );
+    z.wait_for_log("limit=\"pod_pending_legs\"", Duration::from_secs(5));
+    // b2's legs are its own.
+    let quick = ClientRun {
+        limit: Duration::from_secs(20),
+        ..ClientRun::default()
+    };
+    flows::assert_ok(&flows::client(plain, to_b2, &quick));
+}
+
 /// `--max-hbone-handshakes` in the handshake test.
 const MAX_HANDSHAKES: usize = 4;
 /// Stalled handshakes the slowloris opens (more than the limit).
@@ -768,4 +948,130 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
     );
     assert_eq!(reached(&text, "hbone_handshakes"), 0, "{text}");
     drop(flood);
+}
+
+/// Connects the hog starts: more than the node's whole `ORIG_DST` map.
+const HANG_COUNT: usize = 70_000;
+/// ... from this many processes.
+const HANG_PROCESSES: usize = 4;
+
+#[test]
+fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
+    if !require_root("a_pod_whose_connects_hang_holds_only_its_share_of_pending_records") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let n = cluster.add_node("node-a");
+    for pod in ["hog", "victim", "server"] {
+        cluster.add_pod(n, pod);
+    }
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("hog", "node-a"),
+            WorkloadEntry::enrolled("victim", "node-a"),
+            WorkloadEntry::outside("server", "node-a"),
+        ],
+    );
+    let (hog, victim, server) = (
+        cluster.pod("hog"),
+        cluster.pod("victim"),
+        cluster.pod("server"),
+    );
+    let dst = SocketAddr::from((server.ip, 8080));
+    let _server = flows::server_with(server, dst, "echo", true);
+    // The default share (`--max-pod-pending-connects`).
+    let z = Ztunnel::start(&cluster, n, &["--config", config.to_str().expect("utf-8")]);
+    for pod in ["hog", "victim"] {
+        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
+    }
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+
+    // The hog drops its own SYNs to its outbound listener, so every connect
+    // it starts stays in SYN_SENT holding its record (a pod may do this to
+    // itself: it only needs CAP_NET_ADMIN in its own namespace). The wider
+    // port range gives it 64,512 connects per family to that listener.
+    let ns = hog.netns();
+    ns.sysctl("net.ipv4.ip_local_port_range", "1024 65535");
+    ns.exec("nft", &["add table inet hog"]);
+    ns.exec(
+        "nft",
+        &["add chain inet hog out { type filter hook output priority 0 ; }"],
+    );
+    ns.exec("nft", &["add rule inet hog out tcp dport 15001 drop"]);
+    // Several processes: each may hold as many descriptors as its hard
+    // limit allows (20,000 here), and a pod may run as many as it likes.
+    let per_process = HANG_COUNT / HANG_PROCESSES;
+    let hangs: Vec<PodProcess> = (0..HANG_PROCESSES)
+        .map(|i| {
+            let mut cmd = hog.command(&sibling_bin("zt-hostile"));
+            cmd.args(["hang", "--connect", &dst.to_string()]);
+            cmd.args([
+                "--connect",
+                &SocketAddr::from((server.ip6, 8080)).to_string(),
+            ]);
+            cmd.args(["--count", &per_process.to_string(), "--hold-secs", "120"]);
+            let mut hang = PodProcess::spawn(&format!("hang-{i}"), cmd);
+            let opened = hang.read_line(ztunnel_tests::patience(Duration::from_secs(60)));
+            assert_eq!(opened, format!("OPENED {per_process} failed=0"), "{opened}");
+            hang
+        })
+        .collect();
+
+    // The hog holds its share and no more; every connect beyond it was
+    // given no record, and counted against the hog by name.
+    let share = u64::from(ztunnel_common::DEFAULT_MAX_POD_PENDING);
+    let text = wait_for_value(
+        &cluster,
+        n,
+        &cg,
+        "ztunnel_pod_pending_connects{pod=\"hog\"}",
+        share,
+    );
+    let refused = value(
+        &text,
+        "ztunnel_pod_limit_reached_total{pod=\"hog\",limit=\"pod_pending_connects\"}",
+    );
+    assert_eq!(refused, HANG_COUNT as u64 - share, "{text}");
+    let counters = z.counters();
+    assert_eq!(
+        counters.get(ztunnel_common::Counter::OrigDstPodShareFull),
+        refused,
+        "{counters:?}"
+    );
+
+    // Meanwhile the victim's new connections all go through.
+    let run = ClientRun {
+        bytes: 1000,
+        connect_timeout: 3,
+        limit: Duration::from_secs(10),
+        ..ClientRun::default()
+    };
+    for i in 0..20 {
+        let done = flows::client(victim, dst, &run);
+        assert!(
+            done.stdout.contains("RESULT ok"),
+            "the victim's connection {i} failed while the hog held its share: {done:?}"
+        );
+    }
+    let text = Ztunnel::metrics_of(&cluster, n, &cg);
+    assert_eq!(
+        value(&text, "ztunnel_pod_pending_connects{pod=\"victim\"}"),
+        0,
+        "{text}"
+    );
+
+    // The hog's sockets close: every place comes back (nothing leaks), and
+    // with its SYNs flowing again the hog's own connections work.
+    drop(hangs);
+    wait_for_value(
+        &cluster,
+        n,
+        &cg,
+        "ztunnel_pod_pending_connects{pod=\"hog\"}",
+        0,
+    );
+    ns.exec("nft", &["delete table inet hog"]);
+    flows::assert_ok(&flows::client(hog, dst, &run));
 }

@@ -81,6 +81,14 @@ pub const MAP_INBOUND_LEGS: &str = "INBOUND_LEGS";
 /// Array with one [`CaptureSettings`]. Written by userspace at start-up; read
 /// by `capture_sockops`.
 pub const MAP_SETTINGS: &str = "CAPTURE_SETTINGS";
+/// netns cookie (`u64`) -> [`PodPending`]: each pod's share of
+/// [`MAP_ORIG_DST`]. Written by `capture_sockops` (one more when a captured
+/// socket's SYN is recorded, one less when that socket leaves `SYN_SENT`,
+/// one more `refused` when the pod is at its share); read by userspace for
+/// `/metrics`, and the pod's entry deleted when it is removed. A pod whose
+/// connects hang (it drops its own SYNs) can thereby hold at most its share
+/// of the node-wide map, not all of it.
+pub const MAP_POD_PENDING: &str = "POD_PENDING";
 
 /// Enrolled pods per node. Kubernetes' default is 110 pods per node; 4096
 /// leaves room for dense nodes without costing much (16 bytes an entry).
@@ -89,6 +97,12 @@ pub const MAX_PODS: u32 = 4096;
 /// ztunnel's `accept()` (or the client's close). Only a burst of
 /// simultaneous connects is ever in here.
 pub const MAX_PENDING_CONNECTIONS: u32 = 65536;
+/// A pod's default share of [`MAX_PENDING_CONNECTIONS`] (connects in
+/// `SYN_SENT`), when [`CaptureSettings::max_pod_pending`] is 0. An eighth of
+/// the map: it takes eight pods whose connects all hang to fill it, and a
+/// pod making this many simultaneous connects is far beyond what an
+/// application does.
+pub const DEFAULT_MAX_POD_PENDING: u32 = MAX_PENDING_CONNECTIONS / 8;
 /// Sockets in the acceleration map: two per accelerated local leg.
 pub const MAX_LOCAL_LEG_SOCKETS: u32 = 65536;
 /// Listener entries: two ports per pod address, two addresses (v4 + v6) per
@@ -129,10 +143,27 @@ pub struct OrigDst {
     pub port: u16,
     /// `AF_INET` or `AF_INET6`: the family the application connected with.
     pub family: u16,
-    /// Explicit padding.
-    pub _pad: u32,
+    /// Bit set of `ORIG_DST_*` (kernel bookkeeping; 0 in [`MAP_ORIG_DST`]'s
+    /// copy is not guaranteed, userspace ignores it).
+    pub flags: u32,
 }
 const _: () = assert!(core::mem::size_of::<OrigDst>() == 24);
+
+/// The socket is counted in its pod's [`PodPending::pending`] (set when its
+/// SYN was recorded, cleared when the count is given back).
+pub const ORIG_DST_COUNTED: u32 = 1 << 0;
+
+/// A pod's use of [`MAP_ORIG_DST`], the value of [`MAP_POD_PENDING`].
+/// 64-bit counters: the BPF target's atomic add is 64-bit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodPending {
+    /// The pod's captured sockets in `SYN_SENT` that have a record.
+    pub pending: u64,
+    /// Connects that got no record because the pod was at its share.
+    pub refused: u64,
+}
+const _: () = assert!(core::mem::size_of::<PodPending>() == 16);
 
 /// The value of [`MAP_ZTUNNEL_SOCKETS`]: that ztunnel made the socket.
 #[repr(C)]
@@ -234,8 +265,10 @@ impl SockKey {
 pub struct CaptureSettings {
     /// 1 when `--sockmap on`: pod-local legs are put in the sockhash.
     pub sockmap_enabled: u32,
-    /// Explicit padding.
-    pub _pad: u32,
+    /// `--max-pod-pending-connects`: a pod's share of [`MAP_ORIG_DST`]
+    /// (0: [`DEFAULT_MAX_POD_PENDING`], what a map pinned by an older build
+    /// holds in this slot).
+    pub max_pod_pending: u32,
 }
 const _: () = assert!(core::mem::size_of::<CaptureSettings>() == 8);
 
@@ -307,11 +340,13 @@ pub enum Counter {
     EgressForeignTcpDropped,
     /// IPv4 fragments and IPv6 packets whose transport is hidden (fragment header, too many extension headers) from such a socket: dropped by `guard_egress`.
     EgressHiddenDropped,
+    /// Captured connects that got no [`MAP_ORIG_DST`] record because their pod was at its share (`--max-pod-pending-connects`); ztunnel finds no record and resets them.
+    OrigDstPodShareFull,
 }
 
 impl Counter {
     /// Number of counters (the array's size).
-    pub const COUNT: u32 = Self::EgressHiddenDropped as u32 + 1;
+    pub const COUNT: u32 = Self::OrigDstPodShareFull as u32 + 1;
     /// All counters, in index order.
     pub const ALL: [Self; Self::COUNT as usize] = [
         Self::Connect4Seen,
@@ -341,6 +376,7 @@ impl Counter {
         Self::ConnectForgedMark,
         Self::EgressForeignTcpDropped,
         Self::EgressHiddenDropped,
+        Self::OrigDstPodShareFull,
     ];
 
     /// Snake-case name used in metrics and dumps.
@@ -374,6 +410,7 @@ impl Counter {
             Self::ConnectForgedMark => "connect_forged_mark",
             Self::EgressForeignTcpDropped => "egress_foreign_tcp_dropped",
             Self::EgressHiddenDropped => "egress_hidden_dropped",
+            Self::OrigDstPodShareFull => "orig_dst_pod_share_full",
         }
     }
 }
@@ -391,4 +428,5 @@ mod pod_impls {
     unsafe impl aya::Pod for super::LegKey {}
     unsafe impl aya::Pod for super::CaptureSettings {}
     unsafe impl aya::Pod for super::ZtunnelSocket {}
+    unsafe impl aya::Pod for super::PodPending {}
 }

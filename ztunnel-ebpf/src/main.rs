@@ -4,7 +4,7 @@
 //! |------------------------|-------------------------------|---------------------------------------------|-----------------------------------------|
 //! | `capture_connect4/6`   | `cgroup/connect4`/`6`         | `POD_CAPTURE`, `ZTUNNEL_SOCKETS`, exclusions | `ORIG_DST_BY_SOCKET`, the destination  |
 //! | `capture_getpeername4/6` | `cgroup/getpeername4`/`6`   | `ORIG_DST_BY_SOCKET`                        | the address `getpeername()` returns     |
-//! | `capture_sockops`      | `sockops` (cgroup)            | `ORIG_DST_BY_SOCKET`, `CAPTURE_SETTINGS`    | `ORIG_DST`, `LOCAL_LEG_SOCKETS`         |
+//! | `capture_sockops`      | `sockops` (cgroup)            | `ORIG_DST_BY_SOCKET`, `CAPTURE_SETTINGS`    | `ORIG_DST`, `POD_PENDING`, `LOCAL_LEG_SOCKETS` |
 //! | `accelerate_local_leg` | `sk_msg` on the sockhash      | `LOCAL_LEG_SOCKETS`                         | (redirects payload)                     |
 //! | `capture_lookup`       | `sk_lookup` in each pod netns | `POD_LISTENERS`, exclusions                 | the listener a new connection goes to   |
 //! | `capture_ingress`      | TC ingress on pod `eth0`      | packet headers                              | counters only                           |
@@ -18,6 +18,10 @@
 //! sends around the connect hooks. Nothing else is rejected or dropped.
 #![no_std]
 #![no_main]
+// The BPF target has no atomic read-modify-write types; the intrinsic is
+// the one way to an atomic add (`sockops.rs`).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 // aya's program macros hand each program its context by value.
 #![allow(clippy::needless_pass_by_value)]
 // Small helpers are forced inline on purpose: a BPF-to-BPF call costs

@@ -11,9 +11,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SockHash},
 };
 use ztunnel_common::{
-    CaptureSettings, Counter, IpBytes, LegKey, ListenerKey, MAX_EXCLUSIONS, MAX_LOCAL_LEG_SOCKETS,
-    MAX_PENDING_CONNECTIONS, MAX_POD_LISTENERS, MAX_PODS, OrigDst, OrigDstKey, PodCapture, SockKey,
-    ZTUNNEL_SOCKET_OWN, ZtunnelSocket,
+    CaptureSettings, Counter, DEFAULT_MAX_POD_PENDING, IpBytes, LegKey, ListenerKey,
+    MAX_EXCLUSIONS, MAX_LOCAL_LEG_SOCKETS, MAX_PENDING_CONNECTIONS, MAX_POD_LISTENERS, MAX_PODS,
+    OrigDst, OrigDstKey, PodCapture, PodPending, SockKey, ZTUNNEL_SOCKET_OWN, ZtunnelSocket,
 };
 
 /// `BPF_F_NO_PREALLOC`: LPM tries require it.
@@ -73,6 +73,12 @@ pub static LOCAL_LEG_SOCKETS: SockHash<SockKey> = SockHash::pinned(MAX_LOCAL_LEG
 #[map(name = "LOCAL_LEG_TCP_ONLY")]
 pub static LOCAL_LEG_TCP_ONLY: LruHashMap<SockKey, u8> =
     LruHashMap::pinned(MAX_LOCAL_LEG_SOCKETS, 0);
+
+/// Twice the pods: a pod's entry can outlive its enrolment by the moment
+/// its last socket takes to close, and a full map only loses fairness (the
+/// node-wide limit still holds), never a record.
+#[map(name = "POD_PENDING")]
+pub static POD_PENDING: HashMap<u64, PodPending> = HashMap::pinned(MAX_PODS * 2, 0);
 
 #[map(name = "CAPTURE_SETTINGS")]
 pub static CAPTURE_SETTINGS: Array<CaptureSettings> = Array::pinned(1, 0);
@@ -181,6 +187,15 @@ pub fn in_cidrs(trie: &LpmTrie<IpBytes, u8>, addr: IpBytes) -> bool {
 pub fn port_listed(map: &HashMap<u16, u8>, port: u16) -> bool {
     // SAFETY: the value is a plain `u8` that we only test for presence.
     unsafe { map.get(port).is_some() }
+}
+
+/// A pod's share of `ORIG_DST` (`--max-pod-pending-connects`).
+#[inline(always)]
+pub fn max_pod_pending() -> u32 {
+    match CAPTURE_SETTINGS.get(0).map_or(0, |s| s.max_pod_pending) {
+        0 => DEFAULT_MAX_POD_PENDING,
+        n => n,
+    }
 }
 
 /// Whether `--sockmap on` was given.

@@ -148,7 +148,7 @@ unsafe fn classify(
         addr: dst,
         port,
         family,
-        _pad: 0,
+        flags: 0,
     };
     Some((sk, orig))
 }

@@ -293,6 +293,14 @@ fn refresh_gauges(state: &AdminState) {
             m.capture.get_or_create(&labels).set(value as i64);
         }
     }
+    let pods = state.registry.list();
+    let _ = state.registry.with_programs(|p| {
+        for pod in &pods {
+            if let Ok(seen) = capture::maps::pod_pending(&p.ebpf, pod.netns_cookie) {
+                m.pod_pending_seen(&pod.uid, seen.pending, seen.refused);
+            }
+        }
+    });
     let shared = state.registry.shared();
     m.pool_connections
         .set(shared.pool.open_connections() as i64);

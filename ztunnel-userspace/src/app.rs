@@ -45,6 +45,9 @@ pub struct Settings {
     pub bpffs: PathBuf,
     /// sk_msg acceleration of pod-local legs.
     pub sockmap: bool,
+    /// A pod's share of the kernel's pending-connect records
+    /// (`--max-pod-pending-connects`).
+    pub max_pod_pending_connects: u32,
     /// Pipes for splicing streaming directions of TCP-to-TCP relays (0:
     /// never; ignored while `sockmap` is on).
     pub splice_pipes: usize,
@@ -318,9 +321,16 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         // Before anything is attached: a mode the kernel lacks is a start-up
         // error, not a failure of every pod's enrolment later.
         settings.tc_mode.check().map_err(Box::new)?;
-        let attached =
-            capture::cgroup::attach(&mut programs.ebpf, &pins, &cgroup_dir, settings.sockmap)
-                .map_err(Box::new)?;
+        let attached = capture::cgroup::attach(
+            &mut programs.ebpf,
+            &pins,
+            &cgroup_dir,
+            capture::cgroup::KernelSettings {
+                sockmap: settings.sockmap,
+                max_pod_pending: settings.max_pod_pending_connects,
+            },
+        )
+        .map_err(Box::new)?;
         capture::maps::set_exclusions(&mut programs.ebpf, &settings.exclusions)
             .map_err(Box::new)?;
         tracing::info!(
@@ -582,6 +592,7 @@ fn xds_publisher(
         if closed > 0 {
             tracing::info!(closed, "open connections closed by the new policy");
         }
+        registry.withdraw_addresses();
     }
 }
 
@@ -804,6 +815,7 @@ fn reload(
             if closed > 0 {
                 tracing::info!(closed, "open connections closed by the new policy");
             }
+            registry.withdraw_addresses();
             shared.metrics.reload(Ok(()));
             apply_config(registry, &config, node);
         }

@@ -51,6 +51,13 @@ pub const DEFAULT_HBONE_HANDSHAKES: usize = 1_024;
 /// still get through. A legitimate burst to one pod (its clients'
 /// ztunnels reconnecting at once) is one connection per client node.
 pub const DEFAULT_HBONE_HANDSHAKES_PER_POD: usize = 256;
+/// ztunnel's transparent legs to one pod's application connecting at once,
+/// each holding an entry of the node's 65,536-entry `INBOUND_LEGS` map
+/// until its connect returns. An application that never accepts (or a pod
+/// that drops its own SYNs) keeps them for the connect timeout; an eighth
+/// of the map, as for pending connects, leaves the rest to the other pods.
+/// A legitimate application accepts in microseconds.
+pub const DEFAULT_PENDING_LEGS_PER_POD: usize = 8_192;
 /// Clients connected to the enrolment socket at once. Enrolments run one at
 /// a time anyway (the registry serialises them); this bounds the threads
 /// that waiting clients hold while leaving room for a burst of CNI calls.
@@ -75,6 +82,8 @@ pub struct Limits {
     pub hbone_handshakes: usize,
     /// HBONE connections in their handshakes to one pod.
     pub hbone_handshakes_per_pod: usize,
+    /// Transparent legs to one pod's application connecting at once.
+    pub pending_legs_per_pod: usize,
     /// Enrolment socket clients.
     pub enrol_clients: usize,
 }
@@ -86,6 +95,7 @@ impl Default for Limits {
             connections_per_node: DEFAULT_CONNECTIONS_PER_NODE,
             hbone_handshakes: DEFAULT_HBONE_HANDSHAKES,
             hbone_handshakes_per_pod: DEFAULT_HBONE_HANDSHAKES_PER_POD,
+            pending_legs_per_pod: DEFAULT_PENDING_LEGS_PER_POD,
             enrol_clients: DEFAULT_ENROL_CLIENTS,
         }
     }
@@ -102,6 +112,11 @@ pub enum Limit {
     HboneHandshakes,
     /// `--max-pod-hbone-handshakes`.
     PodHboneHandshakes,
+    /// `--max-pod-pending-connects` (enforced in the kernel; counted from
+    /// its `POD_PENDING` map when `/metrics` is read).
+    PodPendingConnects,
+    /// `--max-pod-pending-legs`.
+    PodPendingLegs,
     /// `--max-enrol-clients`.
     EnrolClients,
     /// [`ADMIN_CONNECTIONS_PER_LISTENER`].
@@ -109,12 +124,16 @@ pub enum Limit {
 }
 
 impl Limit {
+    /// Number of limits.
+    pub const COUNT: usize = Self::AdminConnections as usize + 1;
     /// The limits that refuse a pod's connections (counted by pod).
-    pub const POD: [Self; 4] = [
+    pub const POD: [Self; 6] = [
         Self::PodConnections,
         Self::NodeConnections,
         Self::HboneHandshakes,
         Self::PodHboneHandshakes,
+        Self::PodPendingConnects,
+        Self::PodPendingLegs,
     ];
 
     /// The label value.
@@ -124,6 +143,8 @@ impl Limit {
             Self::NodeConnections => "node_connections",
             Self::HboneHandshakes => "hbone_handshakes",
             Self::PodHboneHandshakes => "pod_hbone_handshakes",
+            Self::PodPendingConnects => "pod_pending_connects",
+            Self::PodPendingLegs => "pod_pending_legs",
             Self::EnrolClients => "enrol_clients",
             Self::AdminConnections => "admin_connections",
         }
@@ -173,6 +194,7 @@ impl NodeLimits {
             uid: uid.to_owned(),
             open: AtomicUsize::new(0),
             handshakes: AtomicUsize::new(0),
+            legs: AtomicUsize::new(0),
             node: Arc::clone(self),
             logs: Default::default(),
         });
@@ -221,10 +243,12 @@ pub struct PodLimit {
     open: AtomicUsize,
     /// HBONE handshakes in progress on this pod's 15008.
     handshakes: AtomicUsize,
+    /// Transparent legs to this pod's application connecting now.
+    legs: AtomicUsize,
     node: Arc<NodeLimits>,
-    /// One throttle per [`Limit`], so that one limit's flood does not hide
-    /// another's first line.
-    logs: [LogThrottle; 5],
+    /// One throttle per [`Limit`] (indexed by it), so that one limit's
+    /// flood does not hide another's first line.
+    logs: [LogThrottle; Limit::COUNT],
 }
 
 impl PodLimit {
@@ -259,6 +283,20 @@ impl PodLimit {
         })
     }
 
+    /// A place among this pod's transparent legs connecting at once, or
+    /// `None` (counted and logged) when its share is taken.
+    pub fn leg(self: &Arc<Self>) -> Option<LegPlace> {
+        let max = self.node.limits.pending_legs_per_pod;
+        if self.legs.fetch_add(1, Ordering::AcqRel) >= max {
+            self.legs.fetch_sub(1, Ordering::AcqRel);
+            self.node.refused(self, Limit::PodPendingLegs, max);
+            return None;
+        }
+        Some(LegPlace {
+            pod: Arc::clone(self),
+        })
+    }
+
     /// A place among this pod's and the node's HBONE handshakes for a
     /// connection on the pod's 15008, or `None` (counted and logged, by pod
     /// too) when the pod's share or the node's places are all taken.
@@ -279,6 +317,18 @@ impl PodLimit {
             pod: Arc::clone(self),
             _node: node,
         })
+    }
+}
+
+/// One transparent leg connecting: counted against its pod until dropped.
+#[derive(Debug)]
+pub struct LegPlace {
+    pod: Arc<PodLimit>,
+}
+
+impl Drop for LegPlace {
+    fn drop(&mut self) {
+        self.pod.legs.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -387,10 +437,23 @@ mod tests {
                 connections_per_node: per_node,
                 hbone_handshakes: 1,
                 hbone_handshakes_per_pod: 1,
+                pending_legs_per_pod: 2,
                 enrol_clients: 1,
             },
             Metrics::new(),
         )
+    }
+
+    #[test]
+    fn a_pods_legs_share_is_its_own_and_comes_back() {
+        let node = limits(10, 10);
+        let (a, b) = (node.pod("a"), node.pod("b"));
+        let held = [a.leg(), a.leg()];
+        assert!(held.iter().all(Option::is_some));
+        assert!(a.leg().is_none(), "a third leg of a");
+        assert!(b.leg().is_some(), "b has its own share");
+        drop(held);
+        assert!(a.leg().is_some(), "places come back");
     }
 
     #[test]

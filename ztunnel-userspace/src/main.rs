@@ -301,6 +301,22 @@ struct RunArgs {
     /// answered with an error and closed (limit="enrol_clients").
     #[arg(long, env = "ZTUNNEL_MAX_ENROL_CLIENTS", value_parser = at_least_one(), default_value_t = limits::DEFAULT_ENROL_CLIENTS as u64)]
     max_enrol_clients: u64,
+    /// Captured connects of one pod that may wait for their handshake with
+    /// the pod's outbound listener at once (sockets in SYN_SENT, each
+    /// holding an entry of the node's 65,536-entry ORIG_DST map). The
+    /// kernel gives a connect beyond it no record, so ztunnel resets it:
+    /// only that pod's connection fails, and a pod whose connects hang
+    /// cannot fill the map for the others. Counted in
+    /// ztunnel_pod_limit_reached_total{limit="pod_pending_connects"}.
+    #[arg(long, env = "ZTUNNEL_MAX_POD_PENDING_CONNECTS", value_parser = clap::value_parser!(u32).range(1..=i64::from(ztunnel_common::MAX_PENDING_CONNECTIONS)), default_value_t = ztunnel_common::DEFAULT_MAX_POD_PENDING)]
+    max_pod_pending_connects: u32,
+    /// ztunnel's connections to one pod's application that may be
+    /// connecting at once (each holds an entry of the node's 65,536-entry
+    /// INBOUND_LEGS map until its connect returns); one more is refused
+    /// (limit="pod_pending_legs"), so a pod whose application never
+    /// accepts cannot fill the map for the others.
+    #[arg(long, env = "ZTUNNEL_MAX_POD_PENDING_LEGS", value_parser = at_least_one(), default_value_t = limits::DEFAULT_PENDING_LEGS_PER_POD as u64)]
+    max_pod_pending_legs: u64,
 }
 
 /// A duration as whole milliseconds (for flag defaults).
@@ -440,6 +456,7 @@ fn settings(args: RunArgs) -> app::Settings {
         cgroup: args.cgroup,
         bpffs: args.bpffs,
         sockmap: args.sockmap == OnOff::On,
+        max_pod_pending_connects: args.max_pod_pending_connects,
         splice_pipes: if args.splice == OnOff::On {
             args.splice_pipes
         } else {
@@ -532,6 +549,7 @@ fn settings(args: RunArgs) -> app::Settings {
             hbone_handshakes: usize::try_from(args.max_hbone_handshakes).unwrap_or(usize::MAX),
             hbone_handshakes_per_pod: usize::try_from(args.max_pod_hbone_handshakes)
                 .unwrap_or(usize::MAX),
+            pending_legs_per_pod: usize::try_from(args.max_pod_pending_legs).unwrap_or(usize::MAX),
             enrol_clients: usize::try_from(args.max_enrol_clients).unwrap_or(usize::MAX),
         },
     }

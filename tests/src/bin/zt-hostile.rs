@@ -15,6 +15,10 @@
 //!   then nothing, and watches for the peer to close them; prints `OPENED
 //!   <n>` once they are all open, then `RESULT opened=<n> failed=<f>
 //!   closed=<c> max_close_ms=<ms>` (the longest any one was held).
+//! - `hang`: N non-blocking connects, spread over the given destinations,
+//!   none of which is expected to complete (the pod drops its own SYNs);
+//!   prints `OPENED <n> failed=<f>` once they are all started, holds them
+//!   for the given time, then `RESULT opened=<n> established=<e>`.
 
 use std::{
     io::{Read as _, Write as _},
@@ -79,6 +83,18 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         wait_secs: u64,
     },
+    /// N connects left hanging.
+    Hang {
+        /// Destinations, used in turn (several: more source ports).
+        #[arg(long, required = true)]
+        connect: Vec<SocketAddr>,
+        /// Connects to start.
+        #[arg(long)]
+        count: usize,
+        /// How long to hold them, in seconds.
+        #[arg(long, default_value_t = 60)]
+        hold_secs: u64,
+    },
 }
 
 fn main() {
@@ -101,6 +117,11 @@ fn main() {
             bytes,
             wait_secs,
         } => stall(connect, count, bytes, Duration::from_secs(wait_secs)),
+        Command::Hang {
+            connect,
+            count,
+            hold_secs,
+        } => hang(&connect, count, Duration::from_secs(hold_secs)),
     }
 }
 
@@ -268,6 +289,50 @@ fn stall(dst: SocketAddr, count: usize, bytes: usize, wait: Duration) {
         opened - open.len(),
         max_close.as_millis()
     );
+}
+
+fn hang(dsts: &[SocketAddr], count: usize, hold: Duration) {
+    // One descriptor per connect, beyond the usual soft limit. A pod may
+    // raise its soft limit up to the hard one, no further (it has no
+    // CAP_SYS_RESOURCE): more connects take more processes.
+    let want = (count + 64) as libc::rlim_t;
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid struct to fill.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut limit) };
+    limit.rlim_cur = want;
+    // SAFETY: a plain struct argument.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raw const limit) } != 0 {
+        fail(&format!(
+            "setrlimit({want}): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let mut open = Vec::with_capacity(count);
+    let mut failed = 0usize;
+    for i in 0..count {
+        let dst = dsts[i % dsts.len()];
+        let Ok(socket) = Socket::new(Domain::for_address(dst), Type::STREAM, Some(Protocol::TCP))
+        else {
+            failed += 1;
+            continue;
+        };
+        if socket.set_nonblocking(true).is_err() {
+            failed += 1;
+            continue;
+        }
+        match socket.connect(&SockAddr::from(dst)) {
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => open.push(socket),
+            Ok(()) => open.push(socket),
+            Err(_) => failed += 1,
+        }
+    }
+    println!("OPENED {} failed={failed}", open.len());
+    std::thread::sleep(hold);
+    let established = open.iter().filter(|s| s.peer_addr().is_ok()).count();
+    println!("RESULT opened={} established={established}", open.len());
 }
 
 fn fail(message: &str) -> ! {

@@ -57,13 +57,31 @@ pub struct CgroupAttachment {
     pub took_over: bool,
 }
 
-/// Attaches (or takes over) the cgroup programs on `cgroup`, and sets up
-/// acceleration when `sockmap` is on.
+/// What the cgroup programs are told at start-up (`CAPTURE_SETTINGS`).
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSettings {
+    /// sk_msg acceleration of pod-local legs.
+    pub sockmap: bool,
+    /// A pod's share of `ORIG_DST` (sockets in `SYN_SENT`).
+    pub max_pod_pending: u32,
+}
+
+impl Default for KernelSettings {
+    fn default() -> Self {
+        Self {
+            sockmap: false,
+            max_pod_pending: ztunnel_common::DEFAULT_MAX_POD_PENDING,
+        }
+    }
+}
+
+/// Attaches (or takes over) the cgroup programs on `cgroup`, writes the
+/// settings, and sets up acceleration when `sockmap` is on.
 pub fn attach(
     ebpf: &mut Ebpf,
     pins: &PinRoot,
     cgroup: &Path,
-    sockmap: bool,
+    settings: KernelSettings,
 ) -> Result<CgroupAttachment, CaptureError> {
     let dir = File::open(cgroup).map_err(|source| CaptureError::Io {
         what: format!("opening cgroup {}", cgroup.display()),
@@ -92,7 +110,7 @@ pub fn attach(
         }
         out.pins.push(pin);
     }
-    configure_sockmap(ebpf, sockmap)?;
+    configure(ebpf, settings)?;
     Ok(out)
 }
 
@@ -150,8 +168,10 @@ fn attach_mode() -> CgroupAttachMode {
     }
 }
 
-/// Writes the sockmap switch and attaches `sk_msg` to the sockhash when on.
-fn configure_sockmap(ebpf: &mut Ebpf, enabled: bool) -> Result<(), CaptureError> {
+/// Writes the settings and attaches `sk_msg` to the sockhash when sockmap
+/// is on.
+fn configure(ebpf: &mut Ebpf, wanted: KernelSettings) -> Result<(), CaptureError> {
+    let enabled = wanted.sockmap;
     {
         let map = ebpf
             .map_mut(MAP_SETTINGS)
@@ -163,7 +183,7 @@ fn configure_sockmap(ebpf: &mut Ebpf, enabled: bool) -> Result<(), CaptureError>
                 0,
                 CaptureSettings {
                     sockmap_enabled: u32::from(enabled),
-                    _pad: 0,
+                    max_pod_pending: wanted.max_pod_pending,
                 },
                 0,
             )

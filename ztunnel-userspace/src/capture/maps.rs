@@ -10,8 +10,8 @@ use aya::{
 use ztunnel_common::{
     IpBytes, LegKey, MAP_INBOUND_EXCLUDED_CIDRS, MAP_INBOUND_EXCLUDED_PORTS, MAP_INBOUND_LEGS,
     MAP_ORIG_DST, MAP_OUTBOUND_EXCLUDED_CIDRS, MAP_OUTBOUND_EXCLUDED_PORTS, MAP_POD_CAPTURE,
-    MAP_ZTUNNEL_SOCKETS, OrigDst, OrigDstKey, PodCapture, ZTUNNEL_SOCKET_OWN, ZtunnelSocket,
-    v4_mapped,
+    MAP_POD_PENDING, MAP_ZTUNNEL_SOCKETS, OrigDst, OrigDstKey, PodCapture, PodPending,
+    ZTUNNEL_SOCKET_OWN, ZtunnelSocket, v4_mapped,
 };
 
 use super::{CaptureError, map_err};
@@ -142,8 +142,16 @@ pub fn set_pod(ebpf: &mut Ebpf, netns_cookie: u64, flags: u32) -> Result<(), Cap
         .map_err(|e| map_err(MAP_POD_CAPTURE, e))
 }
 
-/// Removes a pod's namespace from the enrolled set (absent is fine).
+/// Removes a pod's namespace from the enrolled set (absent is fine), and
+/// its share count: netns cookies are never reused, so the entry would
+/// only take a place.
 pub fn remove_pod(ebpf: &mut Ebpf, netns_cookie: u64) -> Result<(), CaptureError> {
+    if let Some(map) = ebpf.map_mut(MAP_POD_PENDING)
+        && let Ok(mut map) = HashMap::<&mut MapData, u64, PodPending>::try_from(map)
+    {
+        // Best effort: a leftover entry costs a place, never a connection.
+        let _ = map.remove(&netns_cookie);
+    }
     let map = ebpf
         .map_mut(MAP_POD_CAPTURE)
         .ok_or_else(|| map_err(MAP_POD_CAPTURE, "not in the object"))?;
@@ -157,6 +165,21 @@ pub fn remove_pod(ebpf: &mut Ebpf, netns_cookie: u64) -> Result<(), CaptureError
             Ok(())
         }
         Err(e) => Err(map_err(MAP_POD_CAPTURE, e)),
+    }
+}
+
+/// Pod `netns_cookie`'s use of its `ORIG_DST` share (zero when it has no
+/// entry yet).
+pub fn pod_pending(ebpf: &Ebpf, netns_cookie: u64) -> Result<PodPending, CaptureError> {
+    let map = ebpf
+        .map(MAP_POD_PENDING)
+        .ok_or_else(|| map_err(MAP_POD_PENDING, "not in the object"))?;
+    let map: HashMap<&MapData, u64, PodPending> =
+        HashMap::try_from(map).map_err(|e| map_err(MAP_POD_PENDING, e))?;
+    match map.get(&netns_cookie, 0) {
+        Ok(v) => Ok(v),
+        Err(aya::maps::MapError::KeyNotFound) => Ok(PodPending::default()),
+        Err(e) => Err(map_err(MAP_POD_PENDING, e)),
     }
 }
 

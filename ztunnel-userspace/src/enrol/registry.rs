@@ -371,7 +371,9 @@ impl PodRegistry {
         // exists); Istio's CA is asked in the background.
         self.shared.certs.prefetch(&req.identity);
         // The listeners close when dropped.
-        let sockets = SocketFactory::new(&req.netns, self.tables.clone()).map_err(io)?;
+        let sockets = SocketFactory::new(&req.netns, self.tables.clone())
+            .map_err(io)?
+            .with_limit(self.shared.limits.pod(&uid));
         let listeners = listeners::open(&req.netns).map_err(|e| EnrolError::Listen {
             uid: uid.clone(),
             source: Box::new(e),
@@ -710,6 +712,66 @@ impl PodRegistry {
             );
         }
         Ok(tasks)
+    }
+
+    /// Takes from each enrolled pod the addresses the current mesh state
+    /// does not give it (see [`super::addresses`]): its inbound steering
+    /// entries for them and its place in the same-node path. A pod enrolled
+    /// before the state listed it (a restart before istiod's first push)
+    /// kept every address of its interfaces, including one it added to
+    /// steal a neighbour's traffic; the first state that lists the pods
+    /// takes that away. Addresses are only ever taken, never added (an
+    /// address the pod gains needs a new enrolment). Returns how many were
+    /// withdrawn.
+    pub fn withdraw_addresses(&self) -> usize {
+        let Ok(_change) = self.changes.lock() else {
+            return 0;
+        };
+        let state = self.shared.state.current();
+        let Ok(mut pods) = self.pods.lock() else {
+            return 0;
+        };
+        let mut withdrawn = 0;
+        for (uid, pod) in pods.iter_mut() {
+            // A workload listed without addresses (not yet given any) says
+            // nothing about them; taking them all would leave the pod
+            // without steering until it enrols again.
+            if state.workload(uid).is_some_and(|w| w.ips.is_empty()) {
+                continue;
+            }
+            let Ok(decided) = super::addresses::decide(uid, &pod.ips, &state, []) else {
+                continue;
+            };
+            if decided.ignored.is_empty() {
+                continue;
+            }
+            for (ip, why) in &decided.ignored {
+                tracing::warn!(pod = %uid, %ip, %why, "address withdrawn from the pod: the mesh state does not give it to it");
+            }
+            let gone: Vec<std::net::IpAddr> = decided.ignored.iter().map(|(ip, _)| *ip).collect();
+            if let Some(lookup) = &mut pod.lookup {
+                let (drop, keep): (Vec<ListenerKey>, Vec<ListenerKey>) = lookup
+                    .keys
+                    .iter()
+                    .partition(|k| gone.iter().any(|ip| maps::ip_bytes(*ip) == k.addr));
+                if let Ok(mut guard) = self.programs.lock()
+                    && let Some(programs) = guard.as_mut()
+                    && let Err(e) = lookup::withdraw_listeners(&mut programs.ebpf, &drop)
+                {
+                    tracing::error!(pod = %uid, error = %e, "cannot withdraw the steering entries of a withdrawn address");
+                    continue;
+                }
+                lookup.keys = keep;
+            }
+            if let Some(local) = &self.shared.local_pods
+                && let Ok(mut local) = local.write()
+            {
+                local.retain(|ip, p| !(p.uid == *uid && gone.contains(ip)));
+            }
+            pod.ips.retain(|ip| !gone.contains(ip));
+            withdrawn += gone.len();
+        }
+        withdrawn
     }
 
     /// Removes a pod: closes its listeners, deletes its map entry, detaches

@@ -203,6 +203,11 @@ async fn connection(
     .await?
     .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
     drop(handshake_place);
+    // Each stream is a connection to the pod (a task, a socket to the
+    // application, buffers): it counts against the pod's and the node's
+    // connection limits like one that arrived on its own, on top of the
+    // HBONE connection carrying it.
+    let pod_limit = server.shared.limits.pod(&server.pod);
     tracing::debug!(pod = %server.pod, %peer, peer_identity = %peer_identity, "HBONE connection accepted");
     let mut draining = server.shared.draining.subscribe();
     let mut goaway_sent = false;
@@ -228,14 +233,27 @@ async fn connection(
             }
         };
         let Some(next) = next else { break };
-        let (request, respond) = next.map_err(|e| format!("HTTP/2: {e}"))?;
+        let (request, mut respond) = next.map_err(|e| format!("HTTP/2: {e}"))?;
+        let Some(permit) = pod_limit.admit() else {
+            // Counted and logged (throttled) by the limit; 503 as for any
+            // stream the pod cannot take now.
+            let response = Response::builder()
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .body(())
+                .unwrap_or_default();
+            let _ = respond.send_response(response, true);
+            continue;
+        };
         let id = next_connection_id();
         let span = tracing::info_span!("conn", id, pod = %server.pod, direction = "inbound", src = %peer, src_identity = %peer_identity, dst = tracing::field::Empty);
         let server = server.clone();
         let peer_identity = peer_identity.clone();
         tokio::spawn(
-            async move { stream(request, respond, peer, local, &server, &peer_identity).await }
-                .instrument(span),
+            async move {
+                let _permit = permit;
+                stream(request, respond, peer, local, &server, &peer_identity).await;
+            }
+            .instrument(span),
         );
     }
     Ok(())

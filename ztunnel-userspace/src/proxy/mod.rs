@@ -131,7 +131,9 @@ impl PodContext {
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// The kernel had no original destination for an accepted connection.
-    #[error("no original destination recorded for client {0}: connection reset (fail closed)")]
+    #[error(
+        "no original destination recorded for client {0} (the pod is at its --max-pod-pending-connects share, or the node's ORIG_DST map is full): connection reset (fail closed)"
+    )]
     NoOrigDst(SocketAddr),
     /// The destination is one of ztunnel's own ports (would loop).
     #[error("destination {0} is one of ztunnel's own ports")]

@@ -51,6 +51,8 @@ pub struct SocketTables {
 pub struct SocketFactory {
     netns: Arc<PodNetns>,
     tables: SocketTables,
+    /// The pod's counters: its share of the legs listed at once.
+    limit: Option<Arc<crate::limits::PodLimit>>,
 }
 
 thread_local! {
@@ -81,7 +83,16 @@ impl SocketFactory {
         Ok(Self {
             netns: Arc::new(netns.try_clone()?),
             tables,
+            limit: None,
         })
+    }
+
+    /// Counts the pod's transparent legs against `limit`'s share of
+    /// `INBOUND_LEGS` (`--max-pod-pending-legs`).
+    #[must_use]
+    pub fn with_limit(mut self, limit: Arc<crate::limits::PodLimit>) -> Self {
+        self.limit = Some(limit);
+        self
     }
 
     /// A fresh, unconnected, non-blocking TCP socket inside the pod, marked
@@ -141,14 +152,27 @@ impl SocketFactory {
         // than ztunnel again. Unlisted, it must not connect at all.
         let listed = match (&self.tables.legs, source) {
             (Some(legs), Some(_)) => {
-                let bound = std_stream.local_addr()?;
-                Some(
-                    legs.list(bound, dst)
-                        .map_err(|e| super::ProxyError::Connect {
+                // The pod's share of the map (counted and logged by the
+                // limit when taken).
+                let place = match &self.limit {
+                    Some(limit) => Some(limit.leg().ok_or_else(|| {
+                        super::ProxyError::Connect {
                             dst,
-                            source: std::io::Error::other(e),
-                        })?,
-                )
+                            source: std::io::Error::other(
+                                "the pod's share of transparent legs connecting at once (--max-pod-pending-legs) is taken",
+                            ),
+                        }
+                    })?),
+                    None => None,
+                };
+                let bound = std_stream.local_addr()?;
+                let entry = legs
+                    .list(bound, dst)
+                    .map_err(|e| super::ProxyError::Connect {
+                        dst,
+                        source: std::io::Error::other(e),
+                    })?;
+                Some((entry, place))
             }
             _ => None,
         };

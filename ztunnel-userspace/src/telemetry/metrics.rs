@@ -119,6 +119,13 @@ pub struct PodLimitLabels {
     pub limit: String,
 }
 
+/// Labels of a per-pod gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodLabels {
+    /// The pod (enrolment uid).
+    pub pod: String,
+}
+
 /// Labels of TLS handshakes.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HandshakeLabels {
@@ -191,6 +198,10 @@ pub struct Metrics {
     /// The same refusals of pods' connections, by pod: which pod is over
     /// its share.
     pub pod_limits_reached: Family<PodLimitLabels, Counter>,
+    /// `ztunnel_pod_pending_connects{pod}`: the pod's captured connects in
+    /// `SYN_SENT` holding a kernel record (its use of
+    /// `--max-pod-pending-connects`; set at scrape).
+    pub pod_pending: Family<PodLabels, Gauge>,
     /// `ztunnel_accepted_connections`: connections accepted on the pods'
     /// listeners and still open (what `--max-connections-per-node` counts).
     pub accepted: Gauge<i64, AtomicI64>,
@@ -243,6 +254,7 @@ impl Metrics {
             accept_errors: Family::default(),
             limits_reached: Family::default(),
             pod_limits_reached: Family::default(),
+            pod_pending: Family::default(),
             accepted: Gauge::default(),
             pending_handshakes: Gauge::default(),
             enrol_clients: Gauge::default(),
@@ -327,6 +339,11 @@ impl Metrics {
             "ztunnel_pod_limit_reached",
             "Connections of a pod refused because it or the node reached a limit, by pod and limit",
             this.pod_limits_reached.clone(),
+        );
+        registry.register(
+            "ztunnel_pod_pending_connects",
+            "Captured connects of a pod waiting for their handshake with its outbound listener (kernel records held), by pod",
+            this.pod_pending.clone(),
         );
         registry.register(
             "ztunnel_accepted_connections",
@@ -472,9 +489,30 @@ impl Metrics {
             .inc();
     }
 
+    /// Publishes what the kernel counted for pod `pod` (`POD_PENDING`):
+    /// its pending connects, and its connects refused at its share, which
+    /// only ever grow, as that pod's `pod_pending_connects` refusals.
+    pub fn pod_pending_seen(&self, pod: &str, pending: u64, refused: u64) {
+        self.pod_pending
+            .get_or_create(&PodLabels { pod: pod.into() })
+            .set(i64::try_from(pending).unwrap_or(i64::MAX));
+        if refused == 0 {
+            return;
+        }
+        let counter = self.pod_limits_reached.get_or_create(&PodLimitLabels {
+            pod: pod.into(),
+            limit: crate::limits::Limit::PodPendingConnects.as_str().into(),
+        });
+        let seen = counter.get();
+        if refused > seen {
+            counter.inc_by(refused - seen);
+        }
+    }
+
     /// Drops pod `pod`'s refusal counts (it left the node): the series
     /// would otherwise grow with every pod that ever hit a limit.
     pub fn forget_pod_limits(&self, pod: &str) {
+        self.pod_pending.remove(&PodLabels { pod: pod.into() });
         for limit in crate::limits::Limit::POD {
             self.pod_limits_reached.remove(&PodLimitLabels {
                 pod: pod.into(),
