@@ -77,6 +77,34 @@ pub fn run_quiet(cmd: &mut Command) {
     }
 }
 
+/// Lets this process, and the processes it starts (they inherit it), open
+/// `wanted` file descriptors where it may: the hard `RLIMIT_NOFILE` is
+/// raised to `wanted` when lower and this process has `CAP_SYS_RESOURCE`
+/// (root in the test VMs, whose init leaves the kernel's 4,096; not on
+/// every host), and the soft one to the hard one. Returns the hard limit.
+pub fn raise_nofile(wanted: u64) -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut lim);
+        if lim.rlim_max < wanted {
+            let raised = libc::rlimit {
+                rlim_cur: wanted,
+                rlim_max: wanted,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raw const raised) == 0 {
+                lim = raised;
+            }
+        }
+        lim.rlim_cur = lim.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &raw const lim);
+    }
+    lim.rlim_max
+}
+
 /// A test's volume (bytes of a bulk transfer, connections of a churn):
 /// `full` on real hardware, a sixteenth when the CPU is emulated
 /// (`ZTUNNEL_TESTS_EMULATED=1`, set by `cargo xtask vm-test` when QEMU runs

@@ -213,6 +213,9 @@ fn connections_over_the_pod_and_node_limits_are_refused_at_once() {
         ..ClientRun::default()
     };
     flows::assert_ok(&flows::client(plain, to_b2, &quick));
+    // Connections to b1 do not use up b1's own: its outbound has places of
+    // its own (here over the same-node path, into b2).
+    flows::assert_ok(&flows::client(b1, to_b2, &quick));
     z.wait_for_log("limit reached: connection refused", Duration::from_secs(5));
     assert_eq!(
         z.count_log_lines(&["limit reached", "pod=b1", "limit=\"pod_connections\""]),
@@ -355,6 +358,66 @@ fn hbone_streams_count_against_the_destination_pods_limit() {
         std::thread::sleep(Duration::from_millis(200));
     }
     flows::assert_ok(&flows::client(a1, to_b1, &quick));
+}
+
+#[test]
+fn same_node_connections_count_against_the_destination_pods_limit() {
+    if !require_root("same_node_connections_count_against_the_destination_pods_limit") {
+        return;
+    }
+    let mut cluster = Cluster::new();
+    let b = cluster.add_node("node-b");
+    for pod in ["a1", "a2", "b1"] {
+        cluster.add_pod(b, pod);
+    }
+    let config = flows::write_config(
+        &cluster,
+        "mesh.yaml",
+        &[
+            WorkloadEntry::enrolled("a1", "node-b"),
+            WorkloadEntry::enrolled("a2", "node-b"),
+            WorkloadEntry::enrolled("b1", "node-b"),
+        ],
+    );
+    let (a1, a2, b1) = (cluster.pod("a1"), cluster.pod("a2"), cluster.pod("b1"));
+    let to_b1 = SocketAddr::from((b1.ip, 8080));
+    let _server = flows::server_with(b1, to_b1, "echo", true);
+    // The same-node fast path (the default): no HBONE, straight into b1.
+    let z = Ztunnel::start(
+        &cluster,
+        b,
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            "--max-connections-per-pod",
+            &PER_POD.to_string(),
+        ],
+    );
+    for pod in ["a1", "a2", "b1"] {
+        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
+    }
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+
+    // Two clients fill b1's places; each is under its own limit.
+    let _a1_held = held(a1, to_b1, PER_POD - 1, "a1-held");
+    let _a2_held = held(a2, to_b1, 1, "a2-held");
+    let took = refused(a2, to_b1, "a2-over");
+    assert!(took < AT_ONCE, "the refusal took {took:?}");
+    let text = wait_for_value(
+        &cluster,
+        b,
+        &cg,
+        "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_connections\"}",
+        1,
+    );
+    assert_eq!(
+        value(
+            &text,
+            "ztunnel_pod_limit_reached_total{pod=\"a2\",limit=\"pod_connections\"}"
+        ),
+        0,
+        "{text}"
+    );
 }
 
 /// `--max-pod-pending-legs` in the legs test.
@@ -1003,6 +1066,11 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
     // Several processes: each may hold as many descriptors as its hard
     // limit allows (20,000 here), and a pod may run as many as it likes.
     let per_process = HANG_COUNT / HANG_PROCESSES;
+    let hard = ztunnel_tests::raise_nofile(per_process as u64 + 64);
+    assert!(
+        hard > per_process as u64,
+        "RLIMIT_NOFILE's hard limit is {hard}"
+    );
     let hangs: Vec<PodProcess> = (0..HANG_PROCESSES)
         .map(|i| {
             let mut cmd = hog.command(&sibling_bin("zt-hostile"));

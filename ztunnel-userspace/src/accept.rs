@@ -24,7 +24,9 @@ use std::{future::Future, io, net::SocketAddr, sync::Arc, time::Duration};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::{
-    limits::{ADMIN_CONNECTIONS_PER_LISTENER, ConnectionPermit, ListenerLimit, PodLimit, Slot},
+    limits::{
+        ADMIN_CONNECTIONS_PER_LISTENER, ConnectionPermit, ListenerLimit, PodLimit, Side, Slot,
+    },
     telemetry::{Metrics, throttle::LogThrottle},
 };
 
@@ -148,6 +150,16 @@ pub enum ListenerKind {
 }
 
 impl ListenerKind {
+    /// Which of its pod's counts a connection on this listener takes.
+    fn side(self) -> Side {
+        match self {
+            Self::Outbound | Self::Socks5 => Side::Outbound,
+            // Only pods' listeners have a side; the node's have their own
+            // limits.
+            _ => Side::Inbound,
+        }
+    }
+
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -231,7 +243,7 @@ pub struct AcceptLoop {
 #[derive(Debug)]
 enum Admission {
     /// Its pod's and the node's connection limits.
-    Pod(Arc<PodLimit>),
+    Pod(Arc<PodLimit>, Side),
     /// The listener's own limit (admin, metrics, readiness).
     Listener(ListenerLimit),
 }
@@ -264,7 +276,7 @@ impl AcceptLoop {
     pub fn pod(listener: ListenerKind, limit: Arc<PodLimit>, metrics: Arc<Metrics>) -> Self {
         Self {
             errors: AcceptErrors::new(listener, Some(limit.uid().to_owned()), metrics),
-            limit: Admission::Pod(limit),
+            limit: Admission::Pod(limit, listener.side()),
         }
     }
 
@@ -294,7 +306,7 @@ impl AcceptLoop {
                 }
             };
             let permit = match &self.limit {
-                Admission::Pod(limit) => limit.admit().map(Permit::Pod),
+                Admission::Pod(limit, side) => limit.admit(*side).map(Permit::Pod),
                 Admission::Listener(limit) => limit.admit().map(Permit::Listener),
             };
             // Over the limit (counted and logged by the limit): reset, so

@@ -28,9 +28,10 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use crate::telemetry::{Metrics, throttle::LogThrottle};
 
-/// Open connections one pod may have. A busy pod (a gateway, a database
-/// proxy) holds thousands; sixteen thousand is well above that, and a
-/// quarter of the node's limit, so one pod cannot take all of it.
+/// Open connections one pod may have on each [`Side`]. A busy pod (a
+/// gateway, a database proxy) holds thousands; sixteen thousand is well
+/// above that, and a quarter of the node's limit, so one pod cannot take
+/// all of it.
 pub const DEFAULT_CONNECTIONS_PER_POD: usize = 16_384;
 /// Open connections on the node. Each costs two file descriptors and 5 to
 /// 16 KiB (docs/performance.md): 65,536 is 128 Ki fds and at most 1 GiB,
@@ -151,6 +152,19 @@ impl Limit {
     }
 }
 
+/// Which of a pod's two counts a connection takes a place in. Each side
+/// has the whole `--max-connections-per-pod`: connections *to* a pod
+/// (which anyone who can reach it may open) never use up the places of
+/// its own outbound connections, and the reverse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Connections to the pod: 15006, 15008 (the connection and each
+    /// stream), the same-node path into it.
+    Inbound,
+    /// The pod's own connections: 15001, 15080.
+    Outbound,
+}
+
 /// The node's counters, and the pods' (shared by every listener of one
 /// pod, found by uid).
 #[derive(Debug)]
@@ -192,7 +206,7 @@ impl NodeLimits {
         pods.retain(|_, pod| pod.strong_count() > 0);
         let pod = Arc::new(PodLimit {
             uid: uid.to_owned(),
-            open: AtomicUsize::new(0),
+            open: [AtomicUsize::new(0), AtomicUsize::new(0)],
             handshakes: AtomicUsize::new(0),
             legs: AtomicUsize::new(0),
             node: Arc::clone(self),
@@ -240,7 +254,8 @@ impl NodeLimits {
 #[derive(Debug)]
 pub struct PodLimit {
     uid: String,
-    open: AtomicUsize,
+    /// Open connections by [`Side`] (inbound, outbound).
+    open: [AtomicUsize; 2],
     /// HBONE handshakes in progress on this pod's 15008.
     handshakes: AtomicUsize,
     /// Transparent legs to this pod's application connecting now.
@@ -257,28 +272,31 @@ impl PodLimit {
         &self.uid
     }
 
-    /// Connections of this pod open now.
-    pub fn open(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+    /// Connections of this pod open now on `side`.
+    pub fn open(&self, side: Side) -> usize {
+        self.open[side as usize].load(Ordering::Acquire)
     }
 
-    /// Admits one more connection of this pod, or refuses it (counted and
-    /// logged) when the pod or the node is at its limit.
-    pub fn admit(self: &Arc<Self>) -> Option<ConnectionPermit> {
+    /// Admits one more connection of this pod on `side`, or refuses it
+    /// (counted and logged) when that side of the pod or the node is at
+    /// its limit.
+    pub fn admit(self: &Arc<Self>, side: Side) -> Option<ConnectionPermit> {
+        let open = &self.open[side as usize];
         let max = self.node.limits.connections_per_pod;
-        if self.open.fetch_add(1, Ordering::AcqRel) >= max {
-            self.open.fetch_sub(1, Ordering::AcqRel);
+        if open.fetch_add(1, Ordering::AcqRel) >= max {
+            open.fetch_sub(1, Ordering::AcqRel);
             self.node.refused(self, Limit::PodConnections, max);
             return None;
         }
         let max = self.node.limits.connections_per_node;
         let Some(node) = Slot::take(&self.node.metrics.accepted, max) else {
-            self.open.fetch_sub(1, Ordering::AcqRel);
+            open.fetch_sub(1, Ordering::AcqRel);
             self.node.refused(self, Limit::NodeConnections, max);
             return None;
         };
         Some(ConnectionPermit {
             pod: Arc::clone(self),
+            side,
             _node: node,
         })
     }
@@ -392,12 +410,13 @@ impl ListenerLimit {
 #[derive(Debug)]
 pub struct ConnectionPermit {
     pod: Arc<PodLimit>,
+    side: Side,
     _node: Slot,
 }
 
 impl Drop for ConnectionPermit {
     fn drop(&mut self) {
-        self.pod.open.fetch_sub(1, Ordering::AcqRel);
+        self.pod.open[self.side as usize].fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -461,14 +480,26 @@ mod tests {
         let node = limits(2, 10);
         let a = node.pod("a");
         let held: Vec<_> = (0..2)
-            .map(|_| a.admit().expect("under the limit"))
+            .map(|_| a.admit(Side::Inbound).expect("under the limit"))
             .collect();
-        assert!(a.admit().is_none(), "a third connection of a");
-        assert!(node.pod("b").admit().is_some(), "b has its own count");
-        assert_eq!(node.pod("a").open(), 2, "listeners of a share one count");
+        assert!(a.admit(Side::Inbound).is_none(), "a third connection of a");
+        assert!(
+            node.pod("b").admit(Side::Inbound).is_some(),
+            "b has its own count"
+        );
+        assert_eq!(
+            node.pod("a").open(Side::Inbound),
+            2,
+            "listeners of a share one count"
+        );
+        // Its outbound side is its own: connections to a pod never block
+        // the pod's own.
+        let out = a.admit(Side::Outbound).expect("outbound has its places");
+        assert_eq!(a.open(Side::Outbound), 1);
+        drop(out);
         drop(held);
-        assert_eq!(a.open(), 0);
-        assert!(a.admit().is_some(), "places come back");
+        assert_eq!(a.open(Side::Inbound), 0);
+        assert!(a.admit(Side::Inbound).is_some(), "places come back");
         let text = node.metrics.encode();
         assert!(
             text.contains("ztunnel_limit_reached_total{limit=\"pod_connections\"} 1"),
@@ -480,9 +511,17 @@ mod tests {
     fn the_node_limit_counts_every_pod() {
         let node = limits(10, 3);
         let (a, b) = (node.pod("a"), node.pod("b"));
-        let _held = [a.admit(), a.admit(), b.admit()];
-        assert!(b.admit().is_none());
-        assert_eq!(b.open(), 1, "a refused connection leaves no count behind");
+        let _held = [
+            a.admit(Side::Inbound),
+            a.admit(Side::Inbound),
+            b.admit(Side::Inbound),
+        ];
+        assert!(b.admit(Side::Inbound).is_none());
+        assert_eq!(
+            b.open(Side::Inbound),
+            1,
+            "a refused connection leaves no count behind"
+        );
         assert_eq!(node.metrics.accepted.get(), 3);
         let text = node.metrics.encode();
         assert!(

@@ -278,8 +278,10 @@ struct RunArgs {
     /// greeting and request before the connection is closed.
     #[arg(long, env = "ZTUNNEL_SOCKS5_TIMEOUT_MS", value_parser = positive_ms(), default_value_t = millis(timeouts::DEFAULT_SOCKS5))]
     socks5_timeout_ms: u64,
-    /// Open connections one pod may have on its listeners (15001, 15006,
-    /// 15008, 15080); a new one beyond it is reset at once, counted in
+    /// Open connections one pod may have on each side: inbound (15006,
+    /// 15008 and each HBONE stream, same-node connections into it) and
+    /// outbound (15001, 15080), counted apart. A new one beyond it is
+    /// reset at once (a stream answered 503), counted in
     /// ztunnel_limit_reached_total{limit="pod_connections"} and logged.
     #[arg(long, env = "ZTUNNEL_MAX_CONNECTIONS_PER_POD", value_parser = at_least_one(), default_value_t = limits::DEFAULT_CONNECTIONS_PER_POD as u64)]
     max_connections_per_pod: u64,

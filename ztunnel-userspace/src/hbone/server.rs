@@ -38,7 +38,8 @@ use crate::{
     identity::{Identity, identity_of},
     limits::HandshakePlace,
     proxy::{
-        connections::InboundConnection, is_own_port, next_connection_id,
+        admission::{self, Arrival, RefusalKind},
+        is_own_port, next_connection_id,
         socket_factory::SocketFactory,
     },
     telemetry::metrics::{HandshakeOutcome, HandshakeSide},
@@ -234,7 +235,7 @@ async fn connection(
         };
         let Some(next) = next else { break };
         let (request, mut respond) = next.map_err(|e| format!("HTTP/2: {e}"))?;
-        let Some(permit) = pod_limit.admit() else {
+        let Some(permit) = pod_limit.admit(crate::limits::Side::Inbound) else {
             // Counted and logged (throttled) by the limit; 503 as for any
             // stream the pod cannot take now.
             let response = Response::builder()
@@ -373,57 +374,32 @@ async fn stream(
         }
     };
     tracing::Span::current().record("dst", tracing::field::display(target));
-    // Registered before the state is read: a policy published from here on
-    // reaches this connection (proxy::connections).
-    let registration = server.shared.connections.register(InboundConnection {
-        pod: server.pod.clone(),
-        pod_identity: server.identity.clone(),
-        peer_identity: Some(peer_identity.clone()),
-        src: peer,
-        dst: target,
-        path: "hbone",
-    });
-    let state = server
-        .shared
-        .state
-        .current_for(&server.pod, crate::state::mesh::WORKLOAD_WAIT)
-        .await;
     // For the metrics only: the client may name the service it addressed,
     // but only one this pod is behind is believed (`inbound_service`).
-    let service = state
-        .inbound_service(
-            &server.pod,
-            target.port(),
-            forwarded_host(&request).as_deref(),
-        )
-        .map(crate::telemetry::connection::ServiceRef::from);
-    let mut src = state.endpoint(peer);
-    src.identity = Some(peer_identity.to_string());
-    let mut dst = state.endpoint(target);
-    dst.identity = Some(server.identity.to_string());
-    let who = crate::state::policy::Peer {
-        identity: Some(peer_identity),
-        ip: peer.ip(),
+    let named = forwarded_host(&request);
+    let ask = admission::Request {
+        arrival: Arrival::Hbone,
+        pod: &server.pod,
+        pod_identity: &server.identity,
+        peer,
+        peer_identity: Some(peer_identity),
+        target,
+        named_service: named.as_deref(),
     };
-    if let Err((policy, reason)) = state.authorize_inbound(&server.pod, &who, target.port()) {
-        crate::telemetry::connection::denied(
-            &server.shared.metrics,
-            &src,
-            &dst,
-            "inbound",
-            &policy,
-            &reason,
-        );
-        // A pod whose workload is unknown cannot be served at all (503, as
-        // Istio's ztunnel answers when it cannot find its local workload);
-        // a policy that refuses this peer is 401.
-        let status = if policy == "workload_unknown" {
-            StatusCode::SERVICE_UNAVAILABLE
-        } else {
-            StatusCode::UNAUTHORIZED
-        };
-        return refuse(respond, status, &reason);
-    }
+    let admitted = match admission::admit(&server.shared, ask).await {
+        Ok(admitted) => admitted,
+        Err(denied) => {
+            // A pod whose workload is unknown cannot be served at all (503,
+            // as Istio's ztunnel answers when it cannot find its local
+            // workload); a policy that refuses this peer is 401.
+            let status = match denied.kind {
+                RefusalKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+                RefusalKind::Policy => StatusCode::UNAUTHORIZED,
+            };
+            return refuse(respond, status, &denied.reason);
+        }
+    };
+    let (registration, allowed) = (admitted.registration, admitted.allowed);
     let connect = server.sockets.connect_from(target, Some(peer.ip()));
     let timeouts = server.shared.timeouts;
     let upstream = match within(
@@ -458,9 +434,9 @@ async fn stream(
         &server.shared.metrics,
         "inbound",
         "hbone",
-        src,
-        dst,
-        service.as_ref(),
+        allowed.src,
+        allowed.dst,
+        allowed.service.as_ref(),
     );
     // tcp_to_h2 counts (app -> stream, stream -> app); for the record the
     // client is the remote peer: sent = from the client, received = to it.

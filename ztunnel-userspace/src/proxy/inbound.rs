@@ -16,8 +16,10 @@ use tracing::Instrument as _;
 use crate::accept::{AcceptLoop, ListenerKind};
 
 use super::{
-    PodContext, ProxyError, connect_within, connections::InboundConnection, is_own_port,
-    next_connection_id, relay, socket_factory::SocketFactory,
+    PodContext, ProxyError,
+    admission::{self, Arrival},
+    connect_within, is_own_port, next_connection_id, relay,
+    socket_factory::SocketFactory,
 };
 
 /// What the inbound path of one pod needs.
@@ -97,48 +99,22 @@ async fn plaintext(
         return Err(ProxyError::OwnPort(dst));
     }
     stream.set_nodelay(true)?;
-    // Registered before the state is read (see `connections`).
-    let registration = ctx.shared.connections.register(InboundConnection {
-        pod: ctx.pod.clone(),
-        pod_identity: ctx.identity.clone(),
+    let request = admission::Request {
+        arrival: Arrival::Plaintext,
+        pod: &ctx.pod,
+        pod_identity: &ctx.identity,
+        peer: client,
         peer_identity: None,
-        src: client,
-        dst,
-        path: "plaintext",
-    });
-    let state = ctx
-        .shared
-        .state
-        .current_for(&ctx.pod, crate::state::mesh::WORKLOAD_WAIT)
-        .await;
-    let service = state
-        .inbound_service(&ctx.pod, dst.port(), None)
-        .map(crate::telemetry::connection::ServiceRef::from);
-    // The source workload is whatever holds the client's address; its
-    // identity is not known, only claimed by that address, so plaintext
-    // carries none in logs, metrics or policy (as in Istio's ztunnel).
-    let src = crate::telemetry::Endpoint {
-        identity: None,
-        ..state.endpoint(client)
+        target: dst,
+        named_service: None,
     };
-    let mut dst_end = state.endpoint(dst);
-    dst_end.identity = Some(ctx.identity.to_string());
-    let peer = crate::state::policy::Peer {
-        identity: None,
-        ip: client.ip(),
+    let admitted = match admission::admit(&ctx.shared, request).await {
+        Ok(admitted) => admitted,
+        Err(denied) => {
+            tracing::info!(orig_dst = %dst, path = "plaintext", reason = %denied.reason, result = "denied", "inbound connection denied");
+            return Err(ProxyError::Denied("authorization policy"));
+        }
     };
-    if let Err((policy, reason)) = state.authorize_inbound(&ctx.pod, &peer, dst.port()) {
-        tracing::info!(orig_dst = %dst, path = "plaintext", %reason, result = "denied", "inbound connection denied");
-        crate::telemetry::connection::denied(
-            &ctx.shared.metrics,
-            &src,
-            &dst_end,
-            "inbound",
-            &policy,
-            &reason,
-        );
-        return Err(ProxyError::Denied("authorization policy"));
-    }
     // From the client's own IP (transparent), so the application sees it.
     let upstream = match connect_within(&ctx.shared, &ctx.sockets, dst, Some(client.ip())).await {
         Ok(upstream) => upstream,
@@ -150,13 +126,21 @@ async fn plaintext(
         }
     };
     tracing::debug!(orig_dst = %dst, path = "plaintext", "inbound connection opened");
+    let allowed = admitted.allowed;
     let record = crate::telemetry::ConnectionRecord::open(
         &ctx.shared.metrics,
         "inbound",
         "plaintext",
-        src,
-        dst_end,
-        service.as_ref(),
+        allowed.src,
+        allowed.dst,
+        allowed.service.as_ref(),
     );
-    relay(&ctx.shared, stream, upstream, record, Some(registration)).await
+    relay(
+        &ctx.shared,
+        stream,
+        upstream,
+        record,
+        Some(admitted.registration),
+    )
+    .await
 }

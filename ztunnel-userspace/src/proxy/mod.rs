@@ -9,11 +9,14 @@
 //!   and carries the connection (passthrough TCP for now; HBONE next).
 //! - [`inbound`]: 15006, the accepted socket's local address is the
 //!   original destination; 15008, HBONE (mTLS + CONNECT) termination.
+//! - [`admission`]: who may reach an enrolled pod, decided once for the
+//!   three paths that deliver to it (15006, 15008, the same-node path).
 //! - [`connections`]: the open inbound connections, re-checked against the
 //!   policy whenever the mesh state changes.
 //! - [`relay`]: bytes between two TCP sockets (copied, or spliced in the
 //!   kernel once a direction streams).
 
+pub mod admission;
 pub mod connections;
 pub mod inbound;
 pub mod listeners;

@@ -19,8 +19,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument as _;
 
 use super::{
-    PodContext, ProxyError, Shared, connect_within,
-    connections::{InboundConnection, Registration},
+    PodContext, ProxyError, Shared,
+    admission::{self, Arrival, RefusalKind},
+    connect_within,
+    connections::Registration,
     next_connection_id, relay,
 };
 use crate::{
@@ -30,7 +32,8 @@ use crate::{
         copy,
         pool::{PoolKey, Tunnel},
     },
-    state::{MeshState, Route, policy::Peer},
+    limits::ConnectionPermit,
+    state::{MeshState, Route},
     telemetry::{self, ConnectionRecord, Endpoint},
 };
 
@@ -107,6 +110,8 @@ pub enum Upstream {
         stream: TcpStream,
         /// Its entry among the open inbound connections.
         policy: Registration,
+        /// Its place in the destination pod's connection limits.
+        permit: Option<ConnectionPermit>,
     },
     /// An HBONE `CONNECT` stream.
     Tunnel(Tunnel),
@@ -244,33 +249,26 @@ pub async fn open(
                         "same-node destination has another identity than expected",
                     ));
                 }
-                // Registered before the state for the check is read, so a
-                // policy published meanwhile reaches it (`connections`).
-                let registration = ctx.shared.connections.register(InboundConnection {
-                    pod: local.uid.clone(),
-                    pod_identity: local.identity.clone(),
-                    peer_identity: Some(ctx.pod.identity.clone()),
-                    src: SocketAddr::new(src_ip, client_port),
-                    dst: target,
-                    path: "local",
-                });
-                let peer = Peer {
-                    identity: Some(&ctx.pod.identity),
-                    ip: src_ip,
+                let ask = admission::Request {
+                    arrival: Arrival::SameNode,
+                    pod: &local.uid,
+                    pod_identity: &local.identity,
+                    peer: SocketAddr::new(src_ip, client_port),
+                    peer_identity: Some(&ctx.pod.identity),
+                    target,
+                    named_service: None,
                 };
-                let at_destination = ctx
-                    .shared
-                    .state
-                    .current_for(&local.uid, crate::state::mesh::WORKLOAD_WAIT)
-                    .await;
-                if let Err((policy, reason)) =
-                    at_destination.authorize_inbound(&local.uid, &peer, target.port())
-                {
-                    telemetry::connection::denied(
-                        metrics, &src, &dst_end, "outbound", &policy, &reason,
-                    );
-                    return Err(ProxyError::Denied("authorization policy (same node)"));
-                }
+                let admitted = match admission::admit(&ctx.shared, ask).await {
+                    Ok(admitted) => admitted,
+                    Err(denied) => {
+                        return Err(ProxyError::Denied(match denied.kind {
+                            RefusalKind::Policy => "authorization policy (same node)",
+                            RefusalKind::Unavailable => {
+                                "the destination pod cannot take the connection (same node)"
+                            }
+                        }));
+                    }
+                };
                 let upstream =
                     connect_within(&ctx.shared, &local.sockets, target, Some(src_ip)).await?;
                 tracing::debug!(
@@ -293,7 +291,8 @@ pub async fn open(
                 return Ok((
                     Upstream::Local {
                         stream: upstream,
-                        policy: registration,
+                        policy: admitted.registration,
+                        permit: admitted.permit,
                     },
                     record,
                 ));
@@ -371,7 +370,12 @@ pub async fn carry(
         Upstream::Local {
             stream: upstream,
             policy,
-        } => relay(shared, stream, upstream, record, Some(policy)).await,
+            permit,
+        } => {
+            let done = relay(shared, stream, upstream, record, Some(policy)).await;
+            drop(permit);
+            done
+        }
         Upstream::Tunnel(tunnel) => match copy::tcp_to_h2(stream, tunnel.send, tunnel.recv).await {
             Ok((sent, received)) => {
                 record.close(tunnel.early + sent, received, &Ok(()));
