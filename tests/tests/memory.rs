@@ -143,7 +143,12 @@ fn idle_connections_cost_little_and_their_memory_comes_back() {
     if !require_root("idle_connections_cost_little_and_their_memory_comes_back") {
         return;
     }
-    let connections = ztunnel_tests::scaled(CONNECTIONS);
+    // The full count on an emulated CPU too: a per-connection figure needs
+    // enough connections for one-off costs and the noise of RSS samples to
+    // vanish (a sixteenth, 625, gave 8.8 KiB per connection on Debian's
+    // 6.1 in QEMU, and 13.6 KiB over its second half, against 4.6 KiB
+    // there with 10,000).
+    let connections = CONNECTIONS;
     raise_nofile(connections);
     let mut cluster = Cluster::new();
     let a = cluster.add_node("node-a");
@@ -169,6 +174,14 @@ fn idle_connections_cost_little_and_their_memory_comes_back() {
     let cg = TestCgroup::create(&format!("{}/admin-client", cluster.prefix()));
     std::thread::sleep(Duration::from_secs(1));
     let (idle, idle_anon) = (za.rss_kib(), za.anon_kib());
+    // No transparent huge pages, whatever the node's setting (a half-used
+    // 2 MiB page is never given back).
+    let status = std::fs::read_to_string(format!("/proc/{}/status", za.pid()))
+        .expect("ztunnel's /proc status");
+    assert!(
+        status.contains("THP_enabled:\t0"),
+        "ztunnel runs with transparent huge pages:\n{status}"
+    );
 
     // Warm up: the first pooled connection, TLS configs, runtime threads;
     // one-off costs that are not per connection.
@@ -179,11 +192,7 @@ fn idle_connections_cost_little_and_their_memory_comes_back() {
     // In two halves: the figure is what the second half adds, once the
     // first has paid what comes once (allocator caches and slabs, runtime
     // growth). Pooled HBONE connections come with either half (one per 100
-    // streams), so their share is in it. Over the whole count from the warm
-    // figure, the one-off costs were a rounding error at 10,000
-    // connections but most of the figure at an emulated CPU's sixteenth
-    // (625: 8.8 KiB per connection on Debian's 6.1 in QEMU, 4.6 KiB there
-    // at the full count).
+    // streams), so their share is in it.
     let half = connections / 2;
     let opening = Instant::now();
     let mut first = hold(a1, dst, half, OPEN_LIMIT.as_secs() + 600);

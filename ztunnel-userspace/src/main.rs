@@ -410,8 +410,12 @@ enum OnOff {
 }
 
 fn main() -> Result<()> {
+    let thp = ztunnel::memory::no_transparent_huge_pages();
     let cli = Cli::parse();
     let log_control = init_logging(&cli.log, cli.log_format)?;
+    if let Err(e) = thp {
+        tracing::warn!(error = %e, "could not turn transparent huge pages off; memory may be given back late");
+    }
     match cli.command {
         Command::Probe => {
             probe::check_kernel()?;
