@@ -1057,6 +1057,10 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
     // port range gives it 64,512 connects per family to that listener.
     let ns = hog.netns();
     ns.sysctl("net.ipv4.ip_local_port_range", "1024 65535");
+    // Its connects give up only after hours (default: ~2 min, shorter than
+    // opening 70,000 of them takes on an emulated CPU; a socket that gives
+    // up leaves SYN_SENT and rightly gives its place back).
+    ns.sysctl("net.ipv4.tcp_syn_retries", "12");
     ns.exec("nft", &["add table inet hog"]);
     ns.exec(
         "nft",
