@@ -1083,7 +1083,9 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
                 "--connect",
                 &SocketAddr::from((server.ip6, 8080)).to_string(),
             ]);
-            cmd.args(["--count", &per_process.to_string(), "--hold-secs", "120"]);
+            // Held until dropped (killed): opening all of them takes
+            // minutes on an emulated CPU.
+            cmd.args(["--count", &per_process.to_string(), "--hold-secs", "900"]);
             let mut hang = PodProcess::spawn(&format!("hang-{i}"), cmd);
             let opened = hang.read_line(ztunnel_tests::patience(Duration::from_secs(60)));
             assert_eq!(opened, format!("OPENED {per_process} failed=0"), "{opened}");
