@@ -49,7 +49,9 @@ fuzz_target!(|data: &[u8]| {
         if let Some(netns) = &w.netns {
             assert!(netns.is_absolute());
         }
-        let identity = Identity::new(&config.trust_domain, &w.namespace, &w.service_account);
+        // A workload may carry its own trust domain (istiod's, per workload).
+        let trust_domain = w.trust_domain.as_deref().unwrap_or(&config.trust_domain);
+        let identity = Identity::new(trust_domain, &w.namespace, &w.service_account);
         assert_eq!(
             Identity::parse(&w.identity(&config.trust_domain)).ok(),
             Some(identity),
