@@ -769,27 +769,7 @@ fn addresses_a_pod_adds_to_itself_are_ignored_at_a_restart() {
         s.cluster.pod("attacker"),
         s.cluster.pod("app"),
     );
-    // The stolen addresses go on the thief's loopback, and the thief does
-    // not answer ARP for them, so the fabric keeps delivering them to the
-    // victim: what is tested is ztunnel's steering, not the wire.
-    thief
-        .netns()
-        .exec("sysctl", &["-qw", "net.ipv4.conf.all.arp_ignore=1"]);
-    thief.netns().exec(
-        "ip",
-        &["addr", "add", &format!("{}/32", victim.ip), "dev", "lo"],
-    );
-    thief.netns().exec(
-        "ip",
-        &[
-            "addr",
-            "add",
-            &format!("{}/128", victim.ip6),
-            "dev",
-            "lo",
-            "nodad",
-        ],
-    );
+    steal_addresses(thief, victim);
     let targets = [sa(victim.ip, APP_PORT), sa(victim.ip6, APP_PORT)];
     let mut victims: Vec<_> = targets
         .iter()
@@ -830,6 +810,24 @@ fn addresses_a_pod_adds_to_itself_are_ignored_at_a_restart() {
     );
 }
 
+/// Puts `victim`'s v4 and v6 addresses on `thief`'s loopback (what a pod
+/// with `CAP_NET_ADMIN` in its namespace may do). The thief does not answer
+/// ARP for them, so the fabric keeps delivering them to the victim: what is
+/// tested is ztunnel's steering, not the wire.
+fn steal_addresses(thief: &Pod, victim: &Pod) {
+    thief
+        .netns()
+        .exec("sysctl", &["-qw", "net.ipv4.conf.all.arp_ignore=1"]);
+    thief.netns().exec(
+        "ip",
+        &["addr", "add", &format!("{}/32", victim.ip), "dev", "lo"],
+    );
+    let v6 = format!("{}/128", victim.ip6);
+    thief
+        .netns()
+        .exec("ip", &["addr", "add", &v6, "dev", "lo", "nodad"]);
+}
+
 /// Enrols `pod` (as uid `uid`) over `z`'s enrolment socket.
 fn enrol_over_socket(z: &Ztunnel, pod: &Pod, uid: &str) {
     let out = std::process::Command::new(sibling_bin("ztunnel"))
@@ -866,25 +864,7 @@ fn addresses_a_pod_took_before_the_state_listed_it_are_taken_back() {
         entries().into_iter().filter(|e| e.pod != "open").collect();
     apply_entries(&s, &without_victim, "");
     s.z.wait_for_log("pod removed pod=open", Duration::from_secs(10));
-    // As in the restart test: the stolen addresses on the thief's loopback.
-    thief
-        .netns()
-        .exec("sysctl", &["-qw", "net.ipv4.conf.all.arp_ignore=1"]);
-    thief.netns().exec(
-        "ip",
-        &["addr", "add", &format!("{}/32", victim.ip), "dev", "lo"],
-    );
-    thief.netns().exec(
-        "ip",
-        &[
-            "addr",
-            "add",
-            &format!("{}/128", victim.ip6),
-            "dev",
-            "lo",
-            "nodad",
-        ],
-    );
+    steal_addresses(thief, victim);
     enrol_over_socket(&s.z, thief, "stranger");
     let targets = [sa(victim.ip, APP_PORT), sa(victim.ip6, APP_PORT)];
     let mut victims: Vec<_> = targets

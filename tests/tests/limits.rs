@@ -265,6 +265,48 @@ fn connections_over_the_pod_and_node_limits_are_refused_at_once() {
     let _again = held(plain, to_b1, PER_POD, "b1-again");
 }
 
+/// One node (`node-b`) with `enrolled` pods in the mesh and `outside` pods
+/// outside it, its ztunnel started with `flags` and every enrolled pod
+/// enrolled, and a cgroup to read `/metrics` from. Fields drop in order:
+/// the cgroup and ztunnel before the cluster's namespaces.
+struct OneNode {
+    cg: TestCgroup,
+    z: Ztunnel,
+    cluster: Cluster,
+    node: usize,
+}
+
+fn one_node(enrolled: &[&str], outside: &[&str], flags: &[&str]) -> OneNode {
+    let mut cluster = Cluster::new();
+    let node = cluster.add_node("node-b");
+    for pod in enrolled.iter().chain(outside) {
+        cluster.add_pod(node, pod);
+    }
+    let entries: Vec<WorkloadEntry> = enrolled
+        .iter()
+        .map(|pod| WorkloadEntry::enrolled(pod, "node-b"))
+        .chain(
+            outside
+                .iter()
+                .map(|pod| WorkloadEntry::outside(pod, "node-b")),
+        )
+        .collect();
+    let config = flows::write_config(&cluster, "mesh.yaml", &entries);
+    let mut args = vec!["--config", config.to_str().expect("utf-8")];
+    args.extend_from_slice(flags);
+    let z = Ztunnel::start(&cluster, node, &args);
+    for pod in enrolled {
+        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
+    }
+    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    OneNode {
+        cg,
+        z,
+        cluster,
+        node,
+    }
+}
+
 /// `--max-connections-per-pod` in the streams test.
 const STREAMS_PER_POD: usize = 4;
 
@@ -273,55 +315,37 @@ fn hbone_streams_count_against_the_destination_pods_limit() {
     if !require_root("hbone_streams_count_against_the_destination_pods_limit") {
         return;
     }
-    let mut cluster = Cluster::new();
-    let b = cluster.add_node("node-b");
-    for pod in ["a1", "b1", "plain"] {
-        cluster.add_pod(b, pod);
-    }
-    let config = flows::write_config(
-        &cluster,
-        "mesh.yaml",
+    // a1 -> b1 goes through b1's 15008 as from a peer node: one pooled
+    // HBONE connection carrying a stream per connection.
+    let per_pod = STREAMS_PER_POD.to_string();
+    let s = one_node(
+        &["a1", "b1"],
+        &["plain"],
         &[
-            WorkloadEntry::enrolled("a1", "node-b"),
-            WorkloadEntry::enrolled("b1", "node-b"),
-            WorkloadEntry::outside("plain", "node-b"),
-        ],
-    );
-    let (a1, b1) = (cluster.pod("a1"), cluster.pod("b1"));
-    let to_b1 = SocketAddr::from((b1.ip, 8080));
-    let _server = flows::server_with(b1, to_b1, "echo", true);
-    let z = Ztunnel::start(
-        &cluster,
-        b,
-        &[
-            "--config",
-            config.to_str().expect("utf-8"),
-            // a1 -> b1 goes through b1's 15008 as from a peer node: one
-            // pooled HBONE connection carrying a stream per connection.
             "--local-fastpath",
             "off",
             "--max-connections-per-pod",
-            &STREAMS_PER_POD.to_string(),
+            &per_pod,
         ],
     );
-    for pod in ["a1", "b1"] {
-        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
-    }
-    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let (cluster, z, cg, b) = (&s.cluster, &s.z, &s.cg, s.node);
+    let (a1, b1) = (cluster.pod("a1"), cluster.pod("b1"));
+    let to_b1 = SocketAddr::from((b1.ip, 8080));
+    let _server = flows::server_with(b1, to_b1, "echo", true);
 
     // On b1's side the HBONE connection takes one place and each stream
     // one more: three streams fill b1's four.
     let held_streams = held(a1, to_b1, STREAMS_PER_POD - 1, "a1-held");
-    let text = Ztunnel::metrics_of(&cluster, b, &cg);
+    let text = Ztunnel::metrics_of(cluster, b, cg);
     assert_eq!(value(&text, "ztunnel_hbone_pool_connections"), 1, "{text}");
     // A fourth stream on the same connection is refused by b1's limit (a1
     // holds only three of its own four places).
     let took = refused(a1, to_b1, "a1-over");
     assert!(took < AT_ONCE, "the refusal took {took:?}");
     let text = wait_for_value(
-        &cluster,
+        cluster,
         b,
-        &cg,
+        cg,
         "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_connections\"}",
         1,
     );
@@ -348,7 +372,7 @@ fn hbone_streams_count_against_the_destination_pods_limit() {
     };
     let deadline = Instant::now() + ztunnel_tests::patience(Duration::from_secs(10));
     loop {
-        let text = Ztunnel::metrics_of(&cluster, b, &cg);
+        let text = Ztunnel::metrics_of(cluster, b, cg);
         // a1's outbound connections and b1's streams are gone; the pooled
         // HBONE connection may stay.
         if value(&text, "ztunnel_accepted_connections") <= 1 {
@@ -365,38 +389,17 @@ fn same_node_connections_count_against_the_destination_pods_limit() {
     if !require_root("same_node_connections_count_against_the_destination_pods_limit") {
         return;
     }
-    let mut cluster = Cluster::new();
-    let b = cluster.add_node("node-b");
-    for pod in ["a1", "a2", "b1"] {
-        cluster.add_pod(b, pod);
-    }
-    let config = flows::write_config(
-        &cluster,
-        "mesh.yaml",
-        &[
-            WorkloadEntry::enrolled("a1", "node-b"),
-            WorkloadEntry::enrolled("a2", "node-b"),
-            WorkloadEntry::enrolled("b1", "node-b"),
-        ],
+    // The same-node fast path (the default): no HBONE, straight into b1.
+    let per_pod = PER_POD.to_string();
+    let s = one_node(
+        &["a1", "a2", "b1"],
+        &[],
+        &["--max-connections-per-pod", &per_pod],
     );
+    let (cluster, cg, b) = (&s.cluster, &s.cg, s.node);
     let (a1, a2, b1) = (cluster.pod("a1"), cluster.pod("a2"), cluster.pod("b1"));
     let to_b1 = SocketAddr::from((b1.ip, 8080));
     let _server = flows::server_with(b1, to_b1, "echo", true);
-    // The same-node fast path (the default): no HBONE, straight into b1.
-    let z = Ztunnel::start(
-        &cluster,
-        b,
-        &[
-            "--config",
-            config.to_str().expect("utf-8"),
-            "--max-connections-per-pod",
-            &PER_POD.to_string(),
-        ],
-    );
-    for pod in ["a1", "a2", "b1"] {
-        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
-    }
-    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
 
     // Two clients fill b1's places; each is under its own limit.
     let _a1_held = held(a1, to_b1, PER_POD - 1, "a1-held");
@@ -404,9 +407,9 @@ fn same_node_connections_count_against_the_destination_pods_limit() {
     let took = refused(a2, to_b1, "a2-over");
     assert!(took < AT_ONCE, "the refusal took {took:?}");
     let text = wait_for_value(
-        &cluster,
+        cluster,
         b,
-        &cg,
+        cg,
         "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_connections\"}",
         1,
     );
@@ -430,42 +433,24 @@ fn legs_to_an_application_that_never_answers_hold_only_the_pods_share() {
     if !require_root("legs_to_an_application_that_never_answers_hold_only_the_pods_share") {
         return;
     }
-    let mut cluster = Cluster::new();
-    let b = cluster.add_node("node-b");
-    for pod in ["b1", "b2", "plain"] {
-        cluster.add_pod(b, pod);
-    }
-    let config = flows::write_config(
-        &cluster,
-        "mesh.yaml",
+    let per_pod = LEGS_PER_POD.to_string();
+    // Legs hang for the whole test (connect timeout 60 s).
+    let s = one_node(
+        &["b1", "b2"],
+        &["plain"],
         &[
-            WorkloadEntry::enrolled("b1", "node-b"),
-            WorkloadEntry::enrolled("b2", "node-b"),
-            WorkloadEntry::outside("plain", "node-b"),
+            "--max-pod-pending-legs",
+            &per_pod,
+            "--connect-timeout-ms",
+            "60000",
         ],
     );
+    let (cluster, z, cg, b) = (&s.cluster, &s.z, &s.cg, s.node);
     let (b1, b2, plain) = (cluster.pod("b1"), cluster.pod("b2"), cluster.pod("plain"));
     let to_b1 = SocketAddr::from((b1.ip, 8080));
     let to_b2 = SocketAddr::from((b2.ip, 8080));
     let _s1 = flows::server_with(b1, to_b1, "echo", true);
     let _s2 = flows::server_with(b2, to_b2, "echo", true);
-    let z = Ztunnel::start(
-        &cluster,
-        b,
-        &[
-            "--config",
-            config.to_str().expect("utf-8"),
-            "--max-pod-pending-legs",
-            &LEGS_PER_POD.to_string(),
-            // Legs hang for the whole test.
-            "--connect-timeout-ms",
-            "60000",
-        ],
-    );
-    for pod in ["b1", "b2"] {
-        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
-    }
-    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
 
     // b1 drops the SYNs of ztunnel's legs to its application (they come
     // from inside the pod, over `lo`; the clients' own SYNs on eth0 still
@@ -490,9 +475,9 @@ fn legs_to_an_application_that_never_answers_hold_only_the_pods_share() {
     // b1 holds its share of legs; every connection beyond it is refused
     // at once and counted against b1 by name.
     wait_for_value(
-        &cluster,
+        cluster,
         b,
-        &cg,
+        cg,
         "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_pending_legs\"}",
         (LEGS_TRIED - LEGS_PER_POD) as u64,
     );
@@ -1023,20 +1008,9 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
     if !require_root("a_pod_whose_connects_hang_holds_only_its_share_of_pending_records") {
         return;
     }
-    let mut cluster = Cluster::new();
-    let n = cluster.add_node("node-a");
-    for pod in ["hog", "victim", "server"] {
-        cluster.add_pod(n, pod);
-    }
-    let config = flows::write_config(
-        &cluster,
-        "mesh.yaml",
-        &[
-            WorkloadEntry::enrolled("hog", "node-a"),
-            WorkloadEntry::enrolled("victim", "node-a"),
-            WorkloadEntry::outside("server", "node-a"),
-        ],
-    );
+    // The default share (`--max-pod-pending-connects`).
+    let s = one_node(&["hog", "victim"], &["server"], &[]);
+    let (cluster, z, cg, n) = (&s.cluster, &s.z, &s.cg, s.node);
     let (hog, victim, server) = (
         cluster.pod("hog"),
         cluster.pod("victim"),
@@ -1044,12 +1018,6 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
     );
     let dst = SocketAddr::from((server.ip, 8080));
     let _server = flows::server_with(server, dst, "echo", true);
-    // The default share (`--max-pod-pending-connects`).
-    let z = Ztunnel::start(&cluster, n, &["--config", config.to_str().expect("utf-8")]);
-    for pod in ["hog", "victim"] {
-        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
-    }
-    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
 
     // The hog drops its own SYNs to its outbound listener, so every connect
     // it starts stays in SYN_SENT holding its record (a pod may do this to
@@ -1097,9 +1065,9 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
     // given no record, and counted against the hog by name.
     let share = u64::from(ztunnel_common::DEFAULT_MAX_POD_PENDING);
     let text = wait_for_value(
-        &cluster,
+        cluster,
         n,
-        &cg,
+        cg,
         "ztunnel_pod_pending_connects{pod=\"hog\"}",
         share,
     );
@@ -1129,7 +1097,7 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
             "the victim's connection {i} failed while the hog held its share: {done:?}"
         );
     }
-    let text = Ztunnel::metrics_of(&cluster, n, &cg);
+    let text = Ztunnel::metrics_of(cluster, n, cg);
     assert_eq!(
         value(&text, "ztunnel_pod_pending_connects{pod=\"victim\"}"),
         0,
@@ -1140,9 +1108,9 @@ fn a_pod_whose_connects_hang_holds_only_its_share_of_pending_records() {
     // with its SYNs flowing again the hog's own connections work.
     drop(hangs);
     wait_for_value(
-        &cluster,
+        cluster,
         n,
-        &cg,
+        cg,
         "ztunnel_pod_pending_connects{pod=\"hog\"}",
         0,
     );
