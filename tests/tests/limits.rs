@@ -896,52 +896,45 @@ const FLOOD_PER_POD: usize = 4;
 const FLOOD_COUNT: usize = 12;
 
 /// A flood of silent connections to one pod's 15008 holds at most that
-/// pod's share of the node's handshake places: while it lasts, another
-/// pod's peers open new HBONE connections to the same node, every one.
+/// pod's share of the node's handshake places, and a second flood that
+/// fills the node's places makes room for a pod holding fewer: while both
+/// last, another pod's peers open new HBONE connections to the same node,
+/// every one.
 #[test]
-fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
-    if !require_root("a_handshake_flood_against_one_pod_leaves_the_others_reachable") {
+fn a_handshake_flood_against_some_pods_leaves_the_others_reachable() {
+    if !require_root("a_handshake_flood_against_some_pods_leaves_the_others_reachable") {
         return;
     }
-    let mut cluster = Cluster::new();
-    let b = cluster.add_node("node-b");
-    for pod in ["a1", "b1", "b2", "plain"] {
-        cluster.add_pod(b, pod);
-    }
-    let config = flows::write_config(
-        &cluster,
-        "mesh.yaml",
+    let node_places = FLOOD_NODE.to_string();
+    let pod_places = FLOOD_PER_POD.to_string();
+    let OneNode {
+        cg,
+        z: _z,
+        cluster,
+        node: b,
+    } = one_node(
+        &["a1", "b1", "b2", "b3"],
+        &["plain"],
         &[
-            WorkloadEntry::enrolled("a1", "node-b"),
-            WorkloadEntry::enrolled("b1", "node-b"),
-            WorkloadEntry::enrolled("b2", "node-b"),
-            WorkloadEntry::outside("plain", "node-b"),
-        ],
-    );
-    let (a1, b1, b2) = (cluster.pod("a1"), cluster.pod("b1"), cluster.pod("b2"));
-    let to_b2 = SocketAddr::from((b2.ip, 8080));
-    let _server = flows::server_with(b2, to_b2, "echo", true);
-    let z = Ztunnel::start(
-        &cluster,
-        b,
-        &[
-            "--config",
-            config.to_str().expect("utf-8"),
             // a1 -> b2 goes through b2's 15008, like a peer node would.
             "--local-fastpath",
             "off",
             "--max-hbone-handshakes",
-            &FLOOD_NODE.to_string(),
+            &node_places,
             "--max-pod-hbone-handshakes",
-            &FLOOD_PER_POD.to_string(),
+            &pod_places,
             "--tls-handshake-timeout-ms",
             "60000",
         ],
     );
-    for pod in ["a1", "b1", "b2"] {
-        z.wait_for_log(&format!("pod enrolled pod={pod}"), Duration::from_secs(10));
-    }
-    let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
+    let (a1, b1, b2, b3) = (
+        cluster.pod("a1"),
+        cluster.pod("b1"),
+        cluster.pod("b2"),
+        cluster.pod("b3"),
+    );
+    let to_b2 = SocketAddr::from((b2.ip, 8080));
+    let _server = flows::server_with(b2, to_b2, "echo", true);
 
     // More silent connections to b1 than the whole node has places.
     let mut flood = stall(
@@ -970,9 +963,27 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
         FLOOD_PER_POD as u64,
     );
     assert_eq!(reached(&text, "hbone_handshakes"), 0, "{text}");
+    // A second flood, within b3's share, takes the rest of the node's.
+    let mut second = stall(
+        cluster.pod("plain"),
+        SocketAddr::from((b3.ip, 15008)),
+        FLOOD_NODE - FLOOD_PER_POD,
+        5,
+        20,
+    );
+    let opened = second.read_line(Duration::from_secs(30));
+    assert!(opened.starts_with("OPENED "), "{opened}");
+    wait_for_value(
+        &cluster,
+        b,
+        &cg,
+        "ztunnel_hbone_pending_handshakes",
+        FLOOD_NODE as u64,
+    );
 
     // Meanwhile b2's peers connect: the first opens an HBONE connection to
-    // b2 (it needs a handshake place), the others ride on it.
+    // b2, taking the oldest place of a flooded pod (b2 holds none), the
+    // others ride on it.
     for i in 0..10 {
         let done = flows::client(
             a1,
@@ -985,7 +996,7 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
         );
         assert!(
             done.stdout.contains("RESULT ok"),
-            "connection {i} to b2 failed during the flood against b1: {done:?}"
+            "connection {i} to b2 failed during the floods against b1 and b3: {done:?}"
         );
     }
     let text = Ztunnel::metrics_of(&cluster, b, &cg);
@@ -995,7 +1006,235 @@ fn a_handshake_flood_against_one_pod_leaves_the_others_reachable() {
         "{text}"
     );
     assert_eq!(reached(&text, "hbone_handshakes"), 0, "{text}");
-    drop(flood);
+    let evicted = |pod: &str| {
+        value(
+            &text,
+            &format!(
+                "ztunnel_pod_handshakes_evicted_total{{pod=\"{pod}\",limit=\"hbone_handshakes\"}}"
+            ),
+        )
+    };
+    assert_eq!(evicted("b1") + evicted("b3"), 1, "{text}");
+    assert_eq!(
+        value(
+            &text,
+            "ztunnel_hbone_tls_handshakes_total{side=\"server\",outcome=\"evicted\"}"
+        ),
+        1,
+        "{text}"
+    );
+    // The floods saw it: one of their held connections was closed early.
+    let (first, second) = (stall_result(flood), stall_result(second));
+    assert_eq!(
+        first.refused() + second.refused(),
+        FLOOD_COUNT - FLOOD_PER_POD + 1,
+        "{first:?} {second:?}"
+    );
+}
+
+/// `--max-connections-per-node` in the node-pressure test.
+const PRESSURE_NODE: usize = 6;
+
+/// When the node's open connections are all taken, connections still in
+/// their HBONE handshake are the first to go: silent connections to b1's
+/// 15008 that fill the node make room, oldest first, for a1's connections
+/// to b2 (its outbound connection, the HBONE connection and its stream).
+#[test]
+fn under_node_pressure_connections_in_their_handshake_go_first() {
+    if !require_root("under_node_pressure_connections_in_their_handshake_go_first") {
+        return;
+    }
+    let per_node = PRESSURE_NODE.to_string();
+    let OneNode {
+        cg,
+        z,
+        cluster,
+        node: b,
+    } = one_node(
+        &["a1", "b1", "b2"],
+        &["plain"],
+        &[
+            "--local-fastpath",
+            "off",
+            "--max-connections-per-node",
+            &per_node,
+            "--tls-handshake-timeout-ms",
+            "60000",
+        ],
+    );
+    let (a1, b1, b2) = (cluster.pod("a1"), cluster.pod("b1"), cluster.pod("b2"));
+    let to_b2 = SocketAddr::from((b2.ip, 8080));
+    let _server = flows::server_with(b2, to_b2, "echo", true);
+    let mut flood = stall(
+        cluster.pod("plain"),
+        SocketAddr::from((b1.ip, 15008)),
+        PRESSURE_NODE,
+        5,
+        20,
+    );
+    let opened = flood.read_line(Duration::from_secs(30));
+    assert!(opened.starts_with("OPENED "), "{opened}");
+    wait_for_value(
+        &cluster,
+        b,
+        &cg,
+        "ztunnel_accepted_connections",
+        PRESSURE_NODE as u64,
+    );
+    for i in 0..10 {
+        let done = flows::client(
+            a1,
+            to_b2,
+            &ClientRun {
+                bytes: 1000,
+                limit: Duration::from_secs(20),
+                ..ClientRun::default()
+            },
+        );
+        assert!(
+            done.stdout.contains("RESULT ok"),
+            "connection {i} to b2 failed while silent handshakes filled the node: {done:?}"
+        );
+    }
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
+    assert_eq!(reached(&text, "node_connections"), 0, "{text}");
+    // The first client needed three places (15001, the HBONE connection,
+    // its stream); later ones reuse what the earlier ones gave back, unless
+    // an evicted connection had not closed yet when they came.
+    let evicted = value(
+        &text,
+        "ztunnel_pod_handshakes_evicted_total{pod=\"b1\",limit=\"node_connections\"}",
+    );
+    assert!((3..=PRESSURE_NODE as u64).contains(&evicted), "{text}");
+    z.wait_for_log("HBONE handshake evicted", Duration::from_secs(5));
+    assert!(
+        z.count_log_lines(&["node under pressure", "pod=b1", "for_pod=a1"]) == 1,
+        "one warning naming both pods"
+    );
+    // The flood saw exactly those connections closed, and no other.
+    let flood = stall_result(flood);
+    assert_eq!(flood.closed as u64, evicted, "{flood:?}");
+    assert_eq!(flood.failed, 0, "{flood:?}");
+}
+
+/// `--splice-pipes` in the pipes test.
+const PIPES_NODE: usize = 8;
+/// `--max-pod-splice-pipes` there.
+const PIPES_PER_POD: usize = 2;
+/// Connections the hostile pod streams into a peer that never reads: more
+/// than the node has pipes.
+const PIPES_PUSHED: usize = 10;
+
+/// A pod whose connections stream into a peer that never reads holds each
+/// one's pipe for as long as it likes; it holds its share of the node's
+/// splice pipes and no more (its other connections copy), and another
+/// pod's streaming connection still splices.
+#[test]
+fn a_pod_streaming_into_a_stalled_peer_holds_only_its_share_of_splice_pipes() {
+    if !require_root("a_pod_streaming_into_a_stalled_peer_holds_only_its_share_of_splice_pipes") {
+        return;
+    }
+    let (node_pipes, pod_pipes) = (PIPES_NODE.to_string(), PIPES_PER_POD.to_string());
+    let OneNode {
+        cg,
+        z: _z,
+        cluster,
+        node: b,
+    } = one_node(
+        &["a1", "b1"],
+        &["plain"],
+        &[
+            "--splice-pipes",
+            &node_pipes,
+            "--max-pod-splice-pipes",
+            &pod_pipes,
+        ],
+    );
+    let (a1, b1, plain) = (cluster.pod("a1"), cluster.pod("b1"), cluster.pod("plain"));
+    let deaf_addr = SocketAddr::from((plain.ip, 8080));
+    let mut deaf_cmd = plain.command(&sibling_bin("zt-hostile"));
+    deaf_cmd.args([
+        "deaf",
+        "--bind",
+        &deaf_addr.to_string(),
+        "--hold-secs",
+        "300",
+    ]);
+    let mut deaf = PodProcess::spawn("deaf", deaf_cmd);
+    let ready = deaf.read_line(Duration::from_secs(10));
+    assert!(ready.starts_with("LISTENING"), "{ready}");
+    let to_digest = SocketAddr::from((plain.ip, 8081));
+    let _digest = flows::server_with(plain, to_digest, "digest", true);
+
+    let mut push_cmd = a1.command(&sibling_bin("zt-hostile"));
+    push_cmd.args(["push", "--connect", &deaf_addr.to_string(), "--count"]);
+    push_cmd.arg(PIPES_PUSHED.to_string());
+    push_cmd.args(["--hold-secs", "300"]);
+    let mut push = PodProcess::spawn("push", push_cmd);
+    let opened = push.read_line(Duration::from_secs(120));
+    assert!(opened.starts_with("OPENED "), "{opened}");
+    eprintln!("{opened}");
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
+    let held = value(&text, "ztunnel_pod_splice_pipes{pod=\"a1\"}");
+    let refused = value(
+        &text,
+        "ztunnel_pod_limit_reached_total{pod=\"a1\",limit=\"pod_splice_pipes\"}",
+    );
+    eprintln!(
+        "a1 holds {held} pipes, refused {refused}; node {}",
+        value(&text, "ztunnel_splice_pipes")
+    );
+    assert!(held <= PIPES_PER_POD as u64, "{text}");
+    assert!(refused >= 1, "a1 never wanted more than its share:\n{text}");
+
+    // b1 streams to a reading server: its relay splices from the pipes a1
+    // could not take (the count grows when its connection closes).
+    let before = value(
+        &Ztunnel::metrics_of(&cluster, b, &cg),
+        "ztunnel_spliced_bytes_total",
+    );
+    let done = flows::client(
+        b1,
+        to_digest,
+        &ClientRun {
+            bytes: 32 << 20,
+            chunk: 64 * 1024,
+            mode: "digest",
+            limit: Duration::from_secs(60),
+            ..ClientRun::default()
+        },
+    );
+    flows::assert_ok(&done);
+    let text = Ztunnel::metrics_of(&cluster, b, &cg);
+    let spliced = value(&text, "ztunnel_spliced_bytes_total") - before;
+    eprintln!("b1 spliced {spliced} bytes");
+    assert!(spliced > 0, "b1's stream found no pipe:\n{text}");
+    // a1's own new connections still work: past its share they copy.
+    flows::assert_ok(&flows::client(
+        a1,
+        to_digest,
+        &ClientRun {
+            bytes: 4 << 20,
+            chunk: 64 * 1024,
+            mode: "digest",
+            limit: Duration::from_secs(60),
+            ..ClientRun::default()
+        },
+    ));
+    assert!(
+        value(
+            &Ztunnel::metrics_of(&cluster, b, &cg),
+            "ztunnel_pod_splice_pipes{pod=\"a1\"}"
+        ) <= PIPES_PER_POD as u64
+    );
+    // The stalled relays hold their pipes until their peer goes: the
+    // client's close is queued behind the bytes the deaf server never
+    // read. Once it goes, every pipe comes back.
+    drop(push);
+    drop(deaf);
+    wait_for_value(&cluster, b, &cg, "ztunnel_splice_pipes", 0);
+    let text = wait_for_value(&cluster, b, &cg, "ztunnel_accepted_connections", 0);
+    assert!(!text.contains("ztunnel_pod_splice_pipes{"), "{text}");
 }
 
 /// Connects the hog starts: more than the node's whole `ORIG_DST` map.

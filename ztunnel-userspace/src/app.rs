@@ -51,6 +51,8 @@ pub struct Settings {
     /// Pipes for splicing streaming directions of TCP-to-TCP relays (0:
     /// never; ignored while `sockmap` is on).
     pub splice_pipes: usize,
+    /// Of those, pipes one pod's relays may hold at once.
+    pub splice_pipes_per_pod: usize,
     /// How to attach TC programs.
     pub tc_mode: TcMode,
     /// Remove every attachment and pin on shutdown.
@@ -281,6 +283,15 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
     let state = StateHandle::for_node(initial_state, &settings.node_name);
     let metrics = crate::telemetry::Metrics::new();
     let limits = crate::limits::NodeLimits::new(settings.limits, Arc::clone(&metrics));
+    // A socket in the sockhash receives redirected bytes in a queue of its
+    // own, which splice (it reads the TCP receive queue) would miss.
+    let pipes = (settings.splice_pipes > 0 && !settings.sockmap).then(|| {
+        crate::proxy::relay::Pipes::new(
+            settings.splice_pipes,
+            settings.splice_pipes_per_pod,
+            Arc::clone(&metrics),
+        )
+    });
     let shared = Shared {
         state: state.clone(),
         connections: Arc::default(),
@@ -298,10 +309,7 @@ pub fn run(settings: &Settings, log_control: crate::admin::LogControl) -> Result
         draining: Arc::new(tokio::sync::watch::channel(false).0),
         timeouts: settings.timeouts,
         limits,
-        // A socket in the sockhash receives redirected bytes in a queue of
-        // its own, which splice (it reads the TCP receive queue) would miss.
-        pipes: (settings.splice_pipes > 0 && !settings.sockmap)
-            .then(|| crate::proxy::relay::Pipes::new(settings.splice_pipes)),
+        pipes,
     };
 
     let pins = if kernel {

@@ -95,6 +95,13 @@ struct RunArgs {
     /// finds none left is copied instead.
     #[arg(long, env = "ZTUNNEL_SPLICE_PIPES", default_value_t = ztunnel::proxy::relay::DEFAULT_PIPES)]
     splice_pipes: usize,
+    /// Of those, pipes one pod's relays may hold at once (the client pod of
+    /// an outbound or same-node connection, the destination pod of a
+    /// plaintext inbound one); past it the pod's streaming directions are
+    /// copied (limit="pod_splice_pipes"), so a pod streaming into peers
+    /// that never read cannot leave the other pods copying.
+    #[arg(long, env = "ZTUNNEL_MAX_POD_SPLICE_PIPES", default_value_t = ztunnel::proxy::relay::DEFAULT_PIPES_PER_POD)]
+    max_pod_splice_pipes: usize,
     /// How pods' traffic is captured: the eBPF programs, or iptables
     /// REDIRECT rules inside each pod (the Istio-style fallback and the
     /// benchmark's baseline; needs the iptables commands).
@@ -468,6 +475,7 @@ fn settings(args: RunArgs) -> app::Settings {
         } else {
             0
         },
+        splice_pipes_per_pod: args.max_pod_splice_pipes,
         tc_mode: args.tc_mode,
         cleanup: args.cleanup,
         config: args.config,

@@ -19,6 +19,14 @@
 //!   none of which is expected to complete (the pod drops its own SYNs);
 //!   prints `OPENED <n> failed=<f>` once they are all started, holds them
 //!   for the given time, then `RESULT opened=<n> established=<e>`.
+//! - `deaf`: a server that listens and never accepts, so what a client
+//!   sends stops once the kernel's receive buffers are full; prints
+//!   `LISTENING`, holds for the given time.
+//! - `push`: N connections, each written to (never read) until a write
+//!   blocks for a second: a sender whose peer stopped reading, so every
+//!   relay between them stalls holding whatever it had in flight. Prints
+//!   `OPENED <n> written=<bytes>`, holds them for the given time, then
+//!   `RESULT opened=<n>`.
 
 use std::{
     io::{Read as _, Write as _},
@@ -95,6 +103,27 @@ enum Command {
         #[arg(long, default_value_t = 60)]
         hold_secs: u64,
     },
+    /// A listener that never accepts.
+    Deaf {
+        /// Address to listen on.
+        #[arg(long)]
+        bind: SocketAddr,
+        /// How long to listen, in seconds.
+        #[arg(long, default_value_t = 60)]
+        hold_secs: u64,
+    },
+    /// Connections written to until they stall.
+    Push {
+        /// Destination (a `deaf` server).
+        #[arg(long)]
+        connect: SocketAddr,
+        /// Connections to open.
+        #[arg(long)]
+        count: usize,
+        /// How long to hold them once stalled, in seconds.
+        #[arg(long, default_value_t = 60)]
+        hold_secs: u64,
+    },
 }
 
 fn main() {
@@ -122,6 +151,12 @@ fn main() {
             count,
             hold_secs,
         } => hang(&connect, count, Duration::from_secs(hold_secs)),
+        Command::Deaf { bind, hold_secs } => deaf(bind, Duration::from_secs(hold_secs)),
+        Command::Push {
+            connect,
+            count,
+            hold_secs,
+        } => push(connect, count, Duration::from_secs(hold_secs)),
     }
 }
 
@@ -333,6 +368,50 @@ fn hang(dsts: &[SocketAddr], count: usize, hold: Duration) {
     std::thread::sleep(hold);
     let established = open.iter().filter(|s| s.peer_addr().is_ok()).count();
     println!("RESULT opened={} established={established}", open.len());
+}
+
+fn deaf(bind: SocketAddr, hold: Duration) {
+    let listener =
+        std::net::TcpListener::bind(bind).unwrap_or_else(|e| fail(&format!("bind {bind}: {e}")));
+    println!("LISTENING");
+    std::thread::sleep(hold);
+    drop(listener);
+}
+
+/// Bytes one connection writes at most (its stall comes long before).
+const PUSH_CAP: usize = 256 << 20;
+
+fn push(dst: SocketAddr, count: usize, hold: Duration) {
+    let chunk = vec![0x5a_u8; 64 * 1024];
+    let mut open = Vec::with_capacity(count);
+    let mut written = 0usize;
+    for _ in 0..count {
+        let mut stream = TcpStream::connect_timeout(&dst, Duration::from_secs(5))
+            .unwrap_or_else(|e| fail(&format!("connect {dst}: {e}")));
+        stream
+            .set_write_timeout(Some(Duration::from_secs(1)))
+            .unwrap_or_else(|e| fail(&format!("write timeout: {e}")));
+        let mut mine = 0usize;
+        while mine < PUSH_CAP {
+            match stream.write(&chunk) {
+                Ok(n) => mine += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    break;
+                }
+                Err(e) => fail(&format!("write to {dst}: {e}")),
+            }
+        }
+        written += mine;
+        open.push(stream);
+    }
+    println!("OPENED {} written={written}", open.len());
+    std::thread::sleep(hold);
+    println!("RESULT opened={}", open.len());
 }
 
 fn fail(message: &str) -> ! {

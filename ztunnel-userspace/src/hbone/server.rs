@@ -70,8 +70,9 @@ impl std::fmt::Debug for HboneServer {
 }
 
 /// Accepts HBONE connections forever (until the task is aborted). A
-/// connection that finds every handshake place of the node taken
-/// (`--max-hbone-handshakes`) is reset at once.
+/// connection that finds its pod's handshake share taken
+/// (`--max-pod-hbone-handshakes`), or the node's places taken with no
+/// larger holder to make room (`limits::handshakes`), is reset at once.
 pub async fn serve(listener: TcpListener, server: HboneServer) {
     let acceptor = TlsAcceptor::from(Arc::clone(&server.tls));
     let pod_limit = server.shared.limits.pod(&server.pod);
@@ -140,70 +141,83 @@ async fn connection(
     let timeouts = server.shared.timeouts;
     let metrics = &server.shared.metrics;
     let count = |outcome| metrics.handshake(HandshakeSide::Server, outcome);
-    // Without a certificate to present (Istio's CA has not issued it yet)
-    // the handshake could only fail: wait for it, bounded.
-    let own_cert = server
-        .shared
-        .certs
-        .wait_ready(&server.identity, timeouts.tls_handshake)
+    // Everything before the first stream runs in the handshake's place,
+    // which node pressure may take (`limits::handshakes`): the connection
+    // then closes, having carried nothing.
+    let handshakes = async {
+        // Without a certificate to present (Istio's CA has not issued it yet)
+        // the handshake could only fail: wait for it, bounded.
+        let own_cert = server
+            .shared
+            .certs
+            .wait_ready(&server.identity, timeouts.tls_handshake)
+            .await
+            .map_err(|e| e.to_string())?;
+        // Dropping the handshake on expiry closes the socket.
+        let tls = match within(
+            Phase::TlsHandshake,
+            timeouts.tls_handshake,
+            peer,
+            metrics,
+            acceptor.accept(tcp),
+        )
         .await
-        .map_err(|e| e.to_string())?;
-    // Dropping the handshake on expiry closes the socket.
-    let tls = match within(
-        Phase::TlsHandshake,
-        timeouts.tls_handshake,
-        peer,
-        metrics,
-        acceptor.accept(tcp),
-    )
-    .await
-    {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
+        {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                count(HandshakeOutcome::Failed);
+                return Err(format!("TLS handshake failed (not an HBONE client?): {e}").into());
+            }
+            Err(timed_out) => {
+                count(HandshakeOutcome::Timeout);
+                return Err(timed_out.into());
+            }
+        };
+        let Some(peer_identity) = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|c| identity_of(c))
+        else {
             count(HandshakeOutcome::Failed);
-            return Err(format!("TLS handshake failed (not an HBONE client?): {e}").into());
-        }
-        Err(timed_out) => {
-            count(HandshakeOutcome::Timeout);
-            return Err(timed_out.into());
+            return Err("client presented no SPIFFE identity".into());
+        };
+        count(HandshakeOutcome::Ok);
+        let expires =
+            crate::identity::connection_expiry(&own_cert, tls.get_ref().1.peer_certificates());
+        let expiry = tokio::time::Instant::now()
+            + expires
+                .duration_since(std::time::SystemTime::now())
+                .unwrap_or_default();
+        let handshake = h2::server::Builder::new()
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_frame_size(MAX_FRAME)
+            .max_concurrent_streams(SERVER_MAX_STREAMS)
+            // Its shutdown waits for the client's end of stream: a close with
+            // the client's last frames unread would reset the connection and
+            // lose the tail of the last stream (see `linger`).
+            .handshake::<_, Bytes>(Lingering::new(tls, LINGER));
+        let h2 = within(
+            Phase::H2Handshake,
+            timeouts.h2_handshake,
+            peer,
+            metrics,
+            handshake,
+        )
+        .await?
+        .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
+        Ok::<_, ServerError>((h2, peer_identity, expiry))
+    };
+    let (mut h2, peer_identity, expiry) = match handshake_place.run(handshakes).await {
+        Ok(done) => done?,
+        Err(evicted) => {
+            count(HandshakeOutcome::Evicted);
+            tracing::debug!(pod = %server.pod, %peer, "HBONE handshake {evicted}");
+            return Ok(());
         }
     };
-    let Some(peer_identity) = tls
-        .get_ref()
-        .1
-        .peer_certificates()
-        .and_then(|c| c.first())
-        .and_then(|c| identity_of(c))
-    else {
-        count(HandshakeOutcome::Failed);
-        return Err("client presented no SPIFFE identity".into());
-    };
-    count(HandshakeOutcome::Ok);
-    let expires =
-        crate::identity::connection_expiry(&own_cert, tls.get_ref().1.peer_certificates());
-    let expiry = tokio::time::Instant::now()
-        + expires
-            .duration_since(std::time::SystemTime::now())
-            .unwrap_or_default();
-    let handshake = h2::server::Builder::new()
-        .initial_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_frame_size(MAX_FRAME)
-        .max_concurrent_streams(SERVER_MAX_STREAMS)
-        // Its shutdown waits for the client's end of stream: a close with
-        // the client's last frames unread would reset the connection and
-        // lose the tail of the last stream (see `linger`).
-        .handshake::<_, Bytes>(Lingering::new(tls, LINGER));
-    let mut h2 = within(
-        Phase::H2Handshake,
-        timeouts.h2_handshake,
-        peer,
-        metrics,
-        handshake,
-    )
-    .await?
-    .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
-    drop(handshake_place);
     // Each stream is a connection to the pod (a task, a socket to the
     // application, buffers): it counts against the pod's and the node's
     // connection limits like one that arrived on its own, on top of the

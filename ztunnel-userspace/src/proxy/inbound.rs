@@ -137,6 +137,7 @@ async fn plaintext(
     );
     relay(
         &ctx.shared,
+        &ctx.pod,
         stream,
         upstream,
         record,

@@ -158,6 +158,11 @@ pub enum ProxyError {
     /// The outbound traffic policy refused the destination.
     #[error("denied: {0}")]
     Denied(&'static str),
+    /// The destination cannot take the connection now (its pod or the
+    /// node is at a limit): like a peer's 503 over HBONE, the client is
+    /// reset.
+    #[error("unavailable: {0}")]
+    Unavailable(&'static str),
     /// The pod has no address of the needed family.
     #[error("pod has no {0} address")]
     NoPodAddress(&'static str),
@@ -215,9 +220,10 @@ pub fn next_connection_id() -> u64 {
 /// Copies both ways until both directions are done, honouring half-close,
 /// then closes `record` (metrics and the access log line). With `policy`,
 /// a revocation (the policy no longer allows the connection) closes both
-/// sides early.
+/// sides early. Splice pipes come from pod `pod`'s share.
 pub async fn relay(
     shared: &Shared,
+    pod: &str,
     downstream: TcpStream,
     upstream: TcpStream,
     record: crate::telemetry::ConnectionRecord,
@@ -230,7 +236,7 @@ pub async fn relay(
     let copy = Box::pin(relay::both_ways(
         &downstream,
         &upstream,
-        shared.pipes.as_ref(),
+        shared.pipes.as_ref().map(|pipes| pipes.for_pod(pod)),
     ));
     let copied = match policy {
         Some(registration) => registration.unless_revoked(copy).await,

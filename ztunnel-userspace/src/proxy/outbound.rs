@@ -142,7 +142,7 @@ pub async fn handle(
             return Err(e);
         }
     };
-    carry(&ctx.shared, stream, upstream, record).await
+    carry(&ctx.shared, &ctx.pod.uid, stream, upstream, record).await
 }
 
 fn source(
@@ -261,12 +261,14 @@ pub async fn open(
                 let admitted = match admission::admit(&ctx.shared, ask).await {
                     Ok(admitted) => admitted,
                     Err(denied) => {
-                        return Err(ProxyError::Denied(match denied.kind {
-                            RefusalKind::Policy => "authorization policy (same node)",
-                            RefusalKind::Unavailable => {
-                                "the destination pod cannot take the connection (same node)"
+                        return Err(match denied.kind {
+                            RefusalKind::Policy => {
+                                ProxyError::Denied("authorization policy (same node)")
                             }
-                        }));
+                            RefusalKind::Unavailable => ProxyError::Unavailable(
+                                "the destination pod cannot take the connection (same node)",
+                            ),
+                        });
                     }
                 };
                 let upstream =
@@ -357,22 +359,23 @@ pub async fn open(
     }
 }
 
-/// Copies both ways between the application's connection and `upstream`,
-/// then closes the record.
+/// Copies both ways between the application's connection (of pod `pod`)
+/// and `upstream`, then closes the record.
 pub async fn carry(
     shared: &Shared,
+    pod: &str,
     stream: TcpStream,
     upstream: Upstream,
     record: ConnectionRecord,
 ) -> Result<(), ProxyError> {
     match upstream {
-        Upstream::Tcp(upstream) => relay(shared, stream, upstream, record, None).await,
+        Upstream::Tcp(upstream) => relay(shared, pod, stream, upstream, record, None).await,
         Upstream::Local {
             stream: upstream,
             policy,
             permit,
         } => {
-            let done = relay(shared, stream, upstream, record, Some(policy)).await;
+            let done = relay(shared, pod, stream, upstream, record, Some(policy)).await;
             drop(permit);
             done
         }

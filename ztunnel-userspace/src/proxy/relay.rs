@@ -12,8 +12,12 @@
 //! Pipes come from a node-wide budget ([`Pipes`], 1,024 by default): each
 //! holds two descriptors and up to 256 KiB in flight, and a pod must not
 //! be able to spend the node's descriptors by streaming on many
-//! connections. Without a pipe (budget spent, descriptors exhausted) a
-//! direction keeps copying. A direction gives its pipe back as soon as a
+//! connections. Each pod (the client pod of an outbound or same-node
+//! connection, the destination pod of a plaintext inbound one) may hold a
+//! share of it (256 by default, a quarter), so one pod streaming into
+//! peers that never read cannot leave the others copying. Without a pipe
+//! (budget or share spent, descriptors exhausted) a direction keeps
+//! copying. A direction gives its pipe back as soon as a
 //! read is short again (the stream slowed down or turned into requests and
 //! responses), so quiet connections hold none.
 //!
@@ -25,11 +29,12 @@
 //! buffer, as with a copy.
 
 use std::{
+    collections::HashMap,
     io,
     net::Shutdown,
     os::fd::{AsFd, OwnedFd},
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
 };
@@ -42,6 +47,8 @@ use nix::{
 };
 use tokio::{io::Interest, net::TcpStream};
 
+use crate::{limits::Limit, telemetry::Metrics};
+
 /// Read size while copying; a read that fills it switches the direction to
 /// splicing.
 const CHUNK: usize = 16 * 1024;
@@ -53,33 +60,95 @@ const PIPE_SIZE: usize = 256 * 1024;
 
 /// Pipes the node's relays may hold at once.
 pub const DEFAULT_PIPES: usize = 1024;
+/// Pipes one pod's relays may hold at once: a quarter of the node's, as
+/// for connections and handshakes.
+pub const DEFAULT_PIPES_PER_POD: usize = 256;
 
-/// The node-wide budget of pipes for splicing.
+/// The node-wide budget of pipes for splicing, and each pod's share of it.
 #[derive(Debug)]
 pub struct Pipes {
     left: AtomicUsize,
+    per_pod: usize,
+    /// Pipes each pod holds (pods holding none are not listed).
+    held: Mutex<HashMap<String, usize>>,
+    metrics: Arc<Metrics>,
 }
 
 impl Pipes {
-    /// A budget of `n` pipes (0: never splice).
-    pub fn new(n: usize) -> Arc<Self> {
+    /// A budget of `n` pipes (0: never splice), at most `per_pod` of them
+    /// to one pod, in use shown in `metrics`.
+    pub fn new(n: usize, per_pod: usize, metrics: Arc<Metrics>) -> Arc<Self> {
         Arc::new(Self {
             left: AtomicUsize::new(n),
+            per_pod,
+            held: Mutex::default(),
+            metrics,
         })
     }
 
-    /// One pipe from the budget, returned when the [`Pipe`] is dropped.
-    fn take(self: &Arc<Self>) -> Option<Arc<Self>> {
-        self.left
+    /// The budget as seen by pod `pod`'s relays.
+    pub fn for_pod<'a>(self: &'a Arc<Self>, pod: &'a str) -> PodPipes<'a> {
+        PodPipes { pipes: self, pod }
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// One pipe from the pod's share and the node's budget, returned when
+    /// the [`Pipe`] is dropped.
+    fn take(self: &Arc<Self>, pod: &str) -> io::Result<Arc<Self>> {
+        let mut held = self.held();
+        let mine = held.get(pod).copied().unwrap_or(0);
+        if mine >= self.per_pod {
+            drop(held);
+            let limit = Limit::PodSplicePipes.as_str();
+            self.metrics.limit_reached(limit);
+            self.metrics.pod_limit_reached(pod, limit);
+            return Err(io::Error::other(format!(
+                "pod {pod} holds its share of splice pipes ({})",
+                self.per_pod
+            )));
+        }
+        if self
+            .left
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-            .ok()
-            .map(|_| Arc::clone(self))
+            .is_err()
+        {
+            return Err(io::Error::other("the node's pipe budget is spent"));
+        }
+        held.insert(pod.to_owned(), mine + 1);
+        self.metrics.pod_pipes_held(pod, mine + 1);
+        self.metrics.splice_pipes.inc();
+        Ok(Arc::clone(self))
+    }
+
+    fn give_back(&self, pod: &str) {
+        let mut held = self.held();
+        let mine = held.get(pod).copied().unwrap_or(1).saturating_sub(1);
+        if mine == 0 {
+            held.remove(pod);
+        } else {
+            held.insert(pod.to_owned(), mine);
+        }
+        self.metrics.pod_pipes_held(pod, mine);
+        self.metrics.splice_pipes.dec();
+        self.left.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Pipes not in use.
     pub fn left(&self) -> usize {
         self.left.load(Ordering::Acquire)
     }
+}
+
+/// The pipe budget as one pod's relay sees it: its share of the node's.
+#[derive(Debug, Clone, Copy)]
+pub struct PodPipes<'a> {
+    pipes: &'a Arc<Pipes>,
+    pod: &'a str,
 }
 
 /// What one direction moved.
@@ -97,7 +166,7 @@ pub struct Moved {
 pub async fn both_ways(
     a: &TcpStream,
     b: &TcpStream,
-    pipes: Option<&Arc<Pipes>>,
+    pipes: Option<PodPipes<'_>>,
 ) -> io::Result<(Moved, Moved)> {
     tokio::try_join!(one_way(a, b, pipes), one_way(b, a, pipes))
 }
@@ -105,7 +174,7 @@ pub async fn both_ways(
 async fn one_way(
     from: &TcpStream,
     to: &TcpStream,
-    mut pipes: Option<&Arc<Pipes>>,
+    mut pipes: Option<PodPipes<'_>>,
 ) -> io::Result<Moved> {
     let mut moved = Moved::default();
     let mut pipe: Option<Pipe> = None;
@@ -142,8 +211,9 @@ async fn one_way(
                 if let Some(budget) = pipes {
                     match Pipe::new(budget) {
                         Ok(p) => pipe = Some(p),
-                        // Budget spent, out of descriptors or pipe quota:
-                        // keep copying (this direction, for good).
+                        // Budget or the pod's share spent, out of
+                        // descriptors or pipe quota: keep copying (this
+                        // direction, for good).
                         Err(e) => {
                             tracing::debug!(error = %e, "no pipe for splicing; copying instead");
                             pipes = None;
@@ -217,11 +287,12 @@ struct Pipe {
     write: OwnedFd,
     size: usize,
     budget: Arc<Pipes>,
+    pod: String,
 }
 
 impl Drop for Pipe {
     fn drop(&mut self) {
-        self.budget.left.fetch_add(1, Ordering::AcqRel);
+        self.budget.give_back(&self.pod);
     }
 }
 
@@ -229,14 +300,13 @@ const SPLICE_FLAGS: SpliceFFlags =
     SpliceFFlags::SPLICE_F_MOVE.union(SpliceFFlags::SPLICE_F_NONBLOCK);
 
 impl Pipe {
-    fn new(budget: &Arc<Pipes>) -> io::Result<Self> {
-        let budget = budget
-            .take()
-            .ok_or_else(|| io::Error::other("the node's pipe budget is spent"))?;
+    fn new(budget: PodPipes<'_>) -> io::Result<Self> {
+        let pod = budget.pod;
+        let budget = budget.pipes.take(pod)?;
         let (read, write) = match pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC) {
             Ok(ends) => ends,
             Err(e) => {
-                budget.left.fetch_add(1, Ordering::AcqRel);
+                budget.give_back(pod);
                 return Err(e.into());
             }
         };
@@ -249,6 +319,7 @@ impl Pipe {
             write,
             size,
             budget,
+            pod: pod.to_owned(),
         })
     }
 
@@ -337,12 +408,16 @@ pub(crate) mod tests {
         got
     }
 
+    fn budget(n: usize) -> Arc<Pipes> {
+        Pipes::new(n, n, Metrics::new())
+    }
+
     /// Both directions at once, large and small writes, half-close each
     /// way; `splice` decides whether a pipe may be used.
     async fn exchange(pipes: &Arc<Pipes>, len: usize, write: usize) -> (Moved, Moved) {
         let (client, a, b, server) = pairs().await;
         let pipes = Arc::clone(pipes);
-        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(pipes.for_pod("a"))).await });
         let up = pattern(len, 1);
         let down = pattern(len / 2 + 7, 2);
         let (up2, down2) = (up.clone(), down.clone());
@@ -371,7 +446,7 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn streaming_directions_are_spliced_in_order() {
-        let pipes = Pipes::new(8);
+        let pipes = budget(8);
         let (up, down) = exchange(&pipes, 8 << 20, 128 * 1024).await;
         assert_eq!(pipes.left(), 8, "pipes go back to the budget");
         // The first full read is copied; what follows goes through pipes.
@@ -384,21 +459,21 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn small_writes_keep_order_whichever_mode_each_read_takes() {
-        exchange(&Pipes::new(8), 1 << 20, 7).await;
+        exchange(&budget(8), 1 << 20, 7).await;
     }
 
     #[tokio::test]
     async fn without_pipes_everything_is_copied() {
-        let (up, down) = exchange(&Pipes::new(0), 4 << 20, 64 * 1024).await;
+        let (up, down) = exchange(&budget(0), 4 << 20, 64 * 1024).await;
         assert_eq!((up.spliced, down.spliced), (0, 0));
     }
 
     #[tokio::test]
     async fn a_direction_gives_its_pipe_back_when_the_stream_slows() {
         let (mut client, a, b, mut server) = pairs().await;
-        let pipes = Pipes::new(4);
+        let pipes = budget(4);
         let budget = Arc::clone(&pipes);
-        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&budget)).await });
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(budget.for_pod("a"))).await });
         let block = vec![5u8; 4 << 20];
         let mut got = vec![0u8; block.len()];
         let (w, r) = tokio::join!(client.write_all(&block), server.read_exact(&mut got));
@@ -425,9 +500,40 @@ pub(crate) mod tests {
         assert_eq!(pipes.left(), 4);
     }
 
+    #[test]
+    fn a_pod_holds_at_most_its_share_of_the_nodes_pipes() {
+        let metrics = Metrics::new();
+        let pipes = Pipes::new(4, 2, Arc::clone(&metrics));
+        let a: Vec<_> = (0..2)
+            .map(|_| Pipe::new(pipes.for_pod("a")).expect("within a's share"))
+            .collect();
+        let refused = Pipe::new(pipes.for_pod("a")).err().expect("past a's share");
+        assert!(refused.to_string().contains("pod a"), "{refused}");
+        let b: Vec<_> = (0..2)
+            .map(|_| Pipe::new(pipes.for_pod("b")).expect("b has its own share"))
+            .collect();
+        assert!(
+            Pipe::new(pipes.for_pod("c")).is_err(),
+            "the node's are spent"
+        );
+        let text = metrics.encode();
+        for line in [
+            "ztunnel_splice_pipes 4",
+            "ztunnel_pod_splice_pipes{pod=\"a\"} 2",
+            "ztunnel_pod_limit_reached_total{pod=\"a\",limit=\"pod_splice_pipes\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        drop((a, b));
+        assert_eq!(pipes.left(), 4);
+        let text = metrics.encode();
+        assert!(text.contains("ztunnel_splice_pipes 0"), "{text}");
+        assert!(!text.contains("ztunnel_pod_splice_pipes{"), "{text}");
+    }
+
     #[tokio::test]
     async fn a_spent_budget_leaves_the_other_direction_copying() {
-        let pipes = Pipes::new(1);
+        let pipes = budget(1);
         let (up, down) = exchange(&pipes, 8 << 20, 128 * 1024).await;
         assert!(
             (up.spliced == 0) != (down.spliced == 0),
@@ -439,8 +545,8 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn request_response_never_makes_a_pipe() {
         let (mut client, a, b, mut server) = pairs().await;
-        let pipes = Pipes::new(8);
-        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
+        let pipes = budget(8);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(pipes.for_pod("a"))).await });
         let mut buf = [0u8; 1024];
         for i in 0..200u32 {
             let msg = [i as u8; 1024];
@@ -462,8 +568,8 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_receiver_that_stops_reading_stops_the_sender() {
         let (mut client, a, b, mut server) = pairs().await;
-        let pipes = Pipes::new(8);
-        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
+        let pipes = budget(8);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(pipes.for_pod("a"))).await });
         // The server reads nothing: once the socket buffers and the pipe
         // are full, the client's writes must block (no unbounded queue in
         // ztunnel). Bounded: at most 256 MiB offered.
@@ -507,8 +613,8 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_reset_fails_the_relay_while_splicing() {
         let (mut client, a, b, server) = pairs().await;
-        let pipes = Pipes::new(8);
-        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(&pipes)).await });
+        let pipes = budget(8);
+        let relay = tokio::spawn(async move { both_ways(&a, &b, Some(pipes.for_pod("a"))).await });
         // Stream enough to be splicing, then the server resets.
         let writer = tokio::spawn(async move {
             let block = vec![7u8; 64 * 1024];

@@ -137,7 +137,7 @@ async fn session(mut stream: TcpStream, ctx: &OutboundContext) -> Result<(), Soc
     match Box::pin(outbound::open(dst, client.port(), ctx, None)).await {
         Ok((upstream, record)) => {
             reply(&mut stream, Reply::Ok).await?;
-            outbound::carry(&ctx.shared, stream, upstream, record)
+            outbound::carry(&ctx.shared, &ctx.pod.uid, stream, upstream, record)
                 .await
                 .map_err(|e| SocksError::Io(std::io::Error::other(e)))
         }

@@ -131,7 +131,7 @@ pub struct PodLabels {
 pub struct HandshakeLabels {
     /// `client` (the HBONE pool) or `server` (port 15008).
     pub side: String,
-    /// `ok`, `failed` or `timeout`.
+    /// `ok`, `failed`, `timeout` or `evicted`.
     pub outcome: String,
 }
 
@@ -153,6 +153,9 @@ pub enum HandshakeOutcome {
     Failed,
     /// Ran out of time.
     Timeout,
+    /// Closed to make room under node pressure (server side only; see
+    /// `limits::handshakes`).
+    Evicted,
 }
 
 /// Labels of certificate expiry.
@@ -198,10 +201,21 @@ pub struct Metrics {
     /// The same refusals of pods' connections, by pod: which pod is over
     /// its share.
     pub pod_limits_reached: Family<PodLimitLabels, Counter>,
+    /// `ztunnel_pod_handshakes_evicted_total{pod,limit}`: a pod's HBONE
+    /// connections closed in their handshake to make room while the
+    /// node's `limit` was reached.
+    pub pod_handshakes_evicted: Family<PodLimitLabels, Counter>,
     /// `ztunnel_pod_pending_connects{pod}`: the pod's captured connects in
     /// `SYN_SENT` holding a kernel record (its use of
     /// `--max-pod-pending-connects`; set at scrape).
     pub pod_pending: Family<PodLabels, Gauge>,
+    /// `ztunnel_pod_splice_pipes{pod}`: splice pipes a pod's relays hold
+    /// (its use of `--max-pod-splice-pipes`; pods holding none are not
+    /// listed).
+    pub pod_pipes: Family<PodLabels, Gauge>,
+    /// `ztunnel_splice_pipes`: splice pipes in use on the node (of
+    /// `--splice-pipes`).
+    pub splice_pipes: Gauge,
     /// `ztunnel_accepted_connections`: connections accepted on the pods'
     /// listeners and still open (what `--max-connections-per-node` counts).
     pub accepted: Gauge<i64, AtomicI64>,
@@ -254,7 +268,10 @@ impl Metrics {
             accept_errors: Family::default(),
             limits_reached: Family::default(),
             pod_limits_reached: Family::default(),
+            pod_handshakes_evicted: Family::default(),
             pod_pending: Family::default(),
+            pod_pipes: Family::default(),
+            splice_pipes: Gauge::default(),
             accepted: Gauge::default(),
             pending_handshakes: Gauge::default(),
             enrol_clients: Gauge::default(),
@@ -339,6 +356,21 @@ impl Metrics {
             "ztunnel_pod_limit_reached",
             "Connections of a pod refused because it or the node reached a limit, by pod and limit",
             this.pod_limits_reached.clone(),
+        );
+        registry.register(
+            "ztunnel_pod_handshakes_evicted",
+            "HBONE connections to a pod closed in their handshake to make room while the node's limit was reached, by pod and limit",
+            this.pod_handshakes_evicted.clone(),
+        );
+        registry.register(
+            "ztunnel_pod_splice_pipes",
+            "Splice pipes a pod's relays hold, by pod",
+            this.pod_pipes.clone(),
+        );
+        registry.register(
+            "ztunnel_splice_pipes",
+            "Splice pipes the node's relays hold",
+            this.splice_pipes.clone(),
         );
         registry.register(
             "ztunnel_pod_pending_connects",
@@ -451,6 +483,7 @@ impl Metrics {
             HandshakeOutcome::Ok => "ok",
             HandshakeOutcome::Failed => "failed",
             HandshakeOutcome::Timeout => "timeout",
+            HandshakeOutcome::Evicted => "evicted",
         };
         self.handshakes
             .get_or_create(&HandshakeLabels {
@@ -489,6 +522,30 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one of pod `pod`'s HBONE handshakes evicted while the node's
+    /// `limit` was reached.
+    pub fn pod_handshake_evicted(&self, pod: &str, limit: &str) {
+        self.pod_handshakes_evicted
+            .get_or_create(&PodLimitLabels {
+                pod: pod.into(),
+                limit: limit.into(),
+            })
+            .inc();
+    }
+
+    /// Shows that pod `pod` holds `held` splice pipes (none: the series
+    /// goes, so pods that left leave nothing behind).
+    pub fn pod_pipes_held(&self, pod: &str, held: usize) {
+        let labels = PodLabels { pod: pod.into() };
+        if held == 0 {
+            self.pod_pipes.remove(&labels);
+        } else {
+            self.pod_pipes
+                .get_or_create(&labels)
+                .set(i64::try_from(held).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Publishes what the kernel counted for pod `pod` (`POD_PENDING`):
     /// its pending connects, and its connects refused at its share, which
     /// only ever grow, as that pod's `pod_pending_connects` refusals.
@@ -515,6 +572,10 @@ impl Metrics {
         self.pod_pending.remove(&PodLabels { pod: pod.into() });
         for limit in crate::limits::Limit::POD {
             self.pod_limits_reached.remove(&PodLimitLabels {
+                pod: pod.into(),
+                limit: limit.as_str().into(),
+            });
+            self.pod_handshakes_evicted.remove(&PodLimitLabels {
                 pod: pod.into(),
                 limit: limit.as_str().into(),
             });

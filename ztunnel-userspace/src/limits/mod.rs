@@ -28,6 +28,10 @@ use prometheus_client::metrics::gauge::Gauge;
 
 use crate::telemetry::{Metrics, throttle::LogThrottle};
 
+mod handshakes;
+
+pub use handshakes::{Evicted, HandshakePlace};
+
 /// Open connections one pod may have on each [`Side`]. A busy pod (a
 /// gateway, a database proxy) holds thousands; sixteen thousand is well
 /// above that, and a quarter of the node's limit, so one pod cannot take
@@ -118,6 +122,9 @@ pub enum Limit {
     PodPendingConnects,
     /// `--max-pod-pending-legs`.
     PodPendingLegs,
+    /// `--max-pod-splice-pipes` (a relay past it copies instead of
+    /// splicing: counted, not refused).
+    PodSplicePipes,
     /// `--max-enrol-clients`.
     EnrolClients,
     /// [`ADMIN_CONNECTIONS_PER_LISTENER`].
@@ -128,13 +135,14 @@ impl Limit {
     /// Number of limits.
     pub const COUNT: usize = Self::AdminConnections as usize + 1;
     /// The limits that refuse a pod's connections (counted by pod).
-    pub const POD: [Self; 6] = [
+    pub const POD: [Self; 7] = [
         Self::PodConnections,
         Self::NodeConnections,
         Self::HboneHandshakes,
         Self::PodHboneHandshakes,
         Self::PodPendingConnects,
         Self::PodPendingLegs,
+        Self::PodSplicePipes,
     ];
 
     /// The label value.
@@ -146,6 +154,7 @@ impl Limit {
             Self::PodHboneHandshakes => "pod_hbone_handshakes",
             Self::PodPendingConnects => "pod_pending_connects",
             Self::PodPendingLegs => "pod_pending_legs",
+            Self::PodSplicePipes => "pod_splice_pipes",
             Self::EnrolClients => "enrol_clients",
             Self::AdminConnections => "admin_connections",
         }
@@ -172,7 +181,10 @@ pub struct NodeLimits {
     limits: Limits,
     metrics: Arc<Metrics>,
     pods: Mutex<HashMap<String, Weak<PodLimit>>>,
+    /// HBONE handshakes in progress, by pod, oldest first.
+    handshakes: Mutex<handshakes::Book>,
     enrol_log: LogThrottle,
+    evict_log: LogThrottle,
 }
 
 impl NodeLimits {
@@ -182,7 +194,9 @@ impl NodeLimits {
             limits,
             metrics,
             pods: Mutex::default(),
+            handshakes: Mutex::default(),
             enrol_log: LogThrottle::default(),
+            evict_log: LogThrottle::default(),
         })
     }
 
@@ -207,7 +221,6 @@ impl NodeLimits {
         let pod = Arc::new(PodLimit {
             uid: uid.to_owned(),
             open: [AtomicUsize::new(0), AtomicUsize::new(0)],
-            handshakes: AtomicUsize::new(0),
             legs: AtomicUsize::new(0),
             node: Arc::clone(self),
             logs: Default::default(),
@@ -234,6 +247,39 @@ impl NodeLimits {
         slot
     }
 
+    fn book(&self) -> std::sync::MutexGuard<'_, handshakes::Book> {
+        self.handshakes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Makes room for a connection of `pod` when the node's open
+    /// connections are all taken: closes the oldest HBONE handshake of the
+    /// pod holding the most (the first to go under pressure). Whether one
+    /// was closed.
+    fn evict_for_connection(&self, pod: &PodLimit) -> bool {
+        let evicted = self
+            .book()
+            .evict_largest(0, Limit::NodeConnections, &self.metrics);
+        let Some((victim, _handshake)) = evicted else {
+            return false;
+        };
+        self.evicted(&victim, pod, Limit::NodeConnections);
+        true
+    }
+
+    fn evicted(&self, victim: &str, for_pod: &PodLimit, pressure: Limit) {
+        if let Some(suppressed) = self.evict_log.allow() {
+            tracing::warn!(
+                pod = %victim,
+                for_pod = %for_pod.uid,
+                limit = pressure.as_str(),
+                suppressed,
+                "node under pressure: HBONE handshake evicted"
+            );
+        }
+    }
+
     fn refused(&self, pod: &PodLimit, limit: Limit, max: usize) {
         self.metrics.limit_reached(limit.as_str());
         self.metrics.pod_limit_reached(&pod.uid, limit.as_str());
@@ -256,8 +302,6 @@ pub struct PodLimit {
     uid: String,
     /// Open connections by [`Side`] (inbound, outbound).
     open: [AtomicUsize; 2],
-    /// HBONE handshakes in progress on this pod's 15008.
-    handshakes: AtomicUsize,
     /// Transparent legs to this pod's application connecting now.
     legs: AtomicUsize,
     node: Arc<NodeLimits>,
@@ -289,10 +333,20 @@ impl PodLimit {
             return None;
         }
         let max = self.node.limits.connections_per_node;
-        let Some(node) = Slot::take(&self.node.metrics.accepted, max) else {
-            open.fetch_sub(1, Ordering::AcqRel);
-            self.node.refused(self, Limit::NodeConnections, max);
-            return None;
+        let node = match Slot::take(&self.node.metrics.accepted, max) {
+            Some(node) => node,
+            // The evicted connection gives its place back when its task
+            // ends, a moment later: until then the node holds one more
+            // than its limit (at most as many more as handshakes evicted
+            // and not yet closed).
+            None if self.node.evict_for_connection(self) => {
+                Slot::force(&self.node.metrics.accepted)
+            }
+            None => {
+                open.fetch_sub(1, Ordering::AcqRel);
+                self.node.refused(self, Limit::NodeConnections, max);
+                return None;
+            }
         };
         Some(ConnectionPermit {
             pod: Arc::clone(self),
@@ -317,23 +371,39 @@ impl PodLimit {
 
     /// A place among this pod's and the node's HBONE handshakes for a
     /// connection on the pod's 15008, or `None` (counted and logged, by pod
-    /// too) when the pod's share or the node's places are all taken.
+    /// too) when the pod's share is taken, or the node's places are and
+    /// this pod holds as many as any other (`handshakes` module docs).
     pub fn handshake(self: &Arc<Self>) -> Option<HandshakePlace> {
-        let max = self.node.limits.hbone_handshakes_per_pod;
-        if self.handshakes.fetch_add(1, Ordering::AcqRel) >= max {
-            self.handshakes.fetch_sub(1, Ordering::AcqRel);
-            self.node.refused(self, Limit::PodHboneHandshakes, max);
+        let node = &self.node;
+        let mut book = node.book();
+        let held = book.held(&self.uid);
+        let max = node.limits.hbone_handshakes_per_pod;
+        if held >= max {
+            drop(book);
+            node.refused(self, Limit::PodHboneHandshakes, max);
             return None;
         }
-        let max = self.node.limits.hbone_handshakes;
-        let Some(node) = Slot::take(&self.node.metrics.pending_handshakes, max) else {
-            self.handshakes.fetch_sub(1, Ordering::AcqRel);
-            self.node.refused(self, Limit::HboneHandshakes, max);
+        let max = node.limits.hbone_handshakes;
+        let (slot, victim) = if let Some(slot) = Slot::take(&node.metrics.pending_handshakes, max) {
+            (slot, None)
+        } else if let Some((victim, slot)) =
+            book.evict_largest(held + 1, Limit::HboneHandshakes, &node.metrics)
+        {
+            (slot, Some(victim))
+        } else {
+            drop(book);
+            node.refused(self, Limit::HboneHandshakes, max);
             return None;
         };
+        let (number, evicted) = book.book(&self.uid, slot);
+        drop(book);
+        if let Some(victim) = victim {
+            node.evicted(&victim, self, Limit::HboneHandshakes);
+        }
         Some(HandshakePlace {
             pod: Arc::clone(self),
-            _node: node,
+            number,
+            evicted,
         })
     }
 }
@@ -347,20 +417,6 @@ pub struct LegPlace {
 impl Drop for LegPlace {
     fn drop(&mut self) {
         self.pod.legs.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// One HBONE handshake in progress: counted against its pod and the node
-/// until dropped.
-#[derive(Debug)]
-pub struct HandshakePlace {
-    pod: Arc<PodLimit>,
-    _node: Slot,
-}
-
-impl Drop for HandshakePlace {
-    fn drop(&mut self) {
-        self.pod.handshakes.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -436,6 +492,13 @@ impl Slot {
             return None;
         }
         Some(Self(gauge.clone()))
+    }
+
+    /// Takes a place in `gauge` whatever it holds (a place handed over
+    /// from a connection that is closing).
+    fn force(gauge: &Gauge<i64, std::sync::atomic::AtomicI64>) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
     }
 }
 
@@ -574,6 +637,104 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    /// Whether `place` was told to close.
+    fn evicted(place: &mut HandshakePlace) -> bool {
+        place.evicted.try_recv().is_ok()
+    }
+
+    #[test]
+    fn when_the_nodes_handshake_places_are_full_the_largest_holder_makes_room() {
+        let node = NodeLimits::new(
+            Limits {
+                hbone_handshakes: 4,
+                hbone_handshakes_per_pod: 2,
+                ..Limits::default()
+            },
+            Metrics::new(),
+        );
+        let (a, b) = (node.pod("a"), node.pod("b"));
+        let mut flood: Vec<_> = [&a, &a, &b, &b]
+            .iter()
+            .map(|pod| pod.handshake().expect("within the shares"))
+            .collect();
+        // c holds none: the oldest place of a largest holder is its.
+        let c = node.pod("c");
+        let _c1 = c.handshake().expect("room is made");
+        let gone: Vec<usize> = (0..4).filter(|&i| evicted(&mut flood[i])).collect();
+        assert!(gone == [0] || gone == [2], "the oldest of a or b: {gone:?}");
+        assert_eq!(node.metrics.pending_handshakes.get(), 4);
+        // d too: the other flooded pod still holds two.
+        let _d1 = node.pod("d").handshake().expect("room is made");
+        assert_eq!(
+            (0..4).filter(|&i| evicted(&mut flood[i])).count(),
+            1,
+            "one more"
+        );
+        // Now every pod holds one: nobody is larger, so no more churn.
+        assert!(c.handshake().is_none(), "c would take an equal's place");
+        assert!(node.pod("e").handshake().is_none());
+        assert_eq!(node.metrics.pending_handshakes.get(), 4);
+        // The evicted places hand nothing back twice.
+        drop(flood);
+        assert_eq!(node.metrics.pending_handshakes.get(), 2);
+        let text = node.metrics.encode();
+        for pod in ["a", "b"] {
+            assert!(
+                text.contains(&format!(
+                    "ztunnel_pod_handshakes_evicted_total{{pod=\"{pod}\",limit=\"hbone_handshakes\"}} 1"
+                )),
+                "{text}"
+            );
+        }
+        assert!(
+            text.contains("ztunnel_limit_reached_total{limit=\"hbone_handshakes\"} 2"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn when_the_nodes_connections_are_full_a_handshake_goes_first() {
+        let node = limits(10, 2);
+        let a = node.pod("a");
+        let mut shake = a.handshake().expect("a place");
+        let _held = [a.admit(Side::Inbound), a.admit(Side::Inbound)];
+        let b = node.pod("b");
+        let permit = b.admit(Side::Outbound).expect("the handshake makes room");
+        assert!(evicted(&mut shake));
+        // Until the evicted connection closes, the node holds one more.
+        assert_eq!(node.metrics.accepted.get(), 3);
+        assert_eq!(node.metrics.pending_handshakes.get(), 0);
+        assert!(b.admit(Side::Outbound).is_none(), "no handshake left");
+        drop((shake, permit));
+        let text = node.metrics.encode();
+        assert!(
+            text.contains(
+                "ztunnel_pod_handshakes_evicted_total{pod=\"a\",limit=\"node_connections\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("ztunnel_limit_reached_total{limit=\"node_connections\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_evicted_handshake_stops_at_once() {
+        let node = limits(10, 1);
+        let a = node.pod("a");
+        let place = a.handshake().expect("a place");
+        let _conn = a.admit(Side::Inbound).expect("a connection");
+        let run = tokio::spawn(place.run(std::future::pending::<()>()));
+        let _room = node.pod("b").admit(Side::Inbound).expect("room is made");
+        let out = tokio::time::timeout(std::time::Duration::from_secs(5), run)
+            .await
+            .expect("stops at once")
+            .expect("no panic");
+        assert_eq!(out, Err(Evicted));
+        assert_eq!(node.metrics.pending_handshakes.get(), 0);
     }
 
     #[test]
