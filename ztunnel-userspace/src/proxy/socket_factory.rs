@@ -158,9 +158,10 @@ impl SocketFactory {
                     Some(limit) => Some(limit.leg().ok_or_else(|| {
                         super::ProxyError::Connect {
                             dst,
-                            source: std::io::Error::other(
-                                "the pod's share of transparent legs connecting at once (--max-pod-pending-legs) is taken",
-                            ),
+                            source: std::io::Error::other(format!(
+                                "pod {}'s share of transparent legs connecting at once (--max-pod-pending-legs) is taken",
+                                limit.uid()
+                            )),
                         }
                     })?),
                     None => None,
