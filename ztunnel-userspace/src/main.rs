@@ -293,12 +293,16 @@ struct RunArgs {
     #[arg(long, env = "ZTUNNEL_MAX_CONNECTIONS_PER_POD", value_parser = at_least_one(), default_value_t = limits::DEFAULT_CONNECTIONS_PER_POD as u64)]
     max_connections_per_pod: u64,
     /// Open connections on all pods' listeners of this node together
-    /// (limit="node_connections").
+    /// (limit="node_connections"). When they are all taken, a new one
+    /// closes the oldest HBONE connection still in its handshake (of the
+    /// pod holding the most) and takes its place; with none, it is reset.
     #[arg(long, env = "ZTUNNEL_MAX_CONNECTIONS_PER_NODE", value_parser = at_least_one(), default_value_t = limits::DEFAULT_CONNECTIONS_PER_NODE as u64)]
     max_connections_per_node: u64,
     /// HBONE connections (port 15008, all pods) in their TLS or HTTP/2
-    /// handshake at once; one more is reset at once
-    /// (limit="hbone_handshakes").
+    /// handshake at once. When they are all taken, a new one to a pod takes
+    /// the oldest place of the pod holding the most, if that leaves the
+    /// holder at least as many as the newcomer's pod; otherwise it is reset
+    /// at once (limit="hbone_handshakes").
     #[arg(long, env = "ZTUNNEL_MAX_HBONE_HANDSHAKES", value_parser = at_least_one(), default_value_t = limits::DEFAULT_HBONE_HANDSHAKES as u64)]
     max_hbone_handshakes: u64,
     /// HBONE connections to one pod in their TLS or HTTP/2 handshake at
