@@ -113,6 +113,41 @@ fn stall(
     PodProcess::spawn("stall", cmd)
 }
 
+/// Runs `zt-hostile stall` (see [`stall`]) and waits until all its
+/// connections are open.
+fn stall_opened(
+    pod: &ztunnel_tests::Pod,
+    dst: SocketAddr,
+    count: usize,
+    bytes: usize,
+    wait_secs: u64,
+) -> PodProcess {
+    let mut p = stall(pod, dst, count, bytes, wait_secs);
+    let opened = p.read_line(Duration::from_secs(30));
+    assert!(opened.starts_with("OPENED "), "{opened}");
+    p
+}
+
+/// `count` echoed connections from `from` to `to`, one after another, each
+/// of which must succeed (`during` says what was going on, for the failure).
+fn all_connect(from: &ztunnel_tests::Pod, to: SocketAddr, count: usize, during: &str) {
+    for i in 0..count {
+        let done = flows::client(
+            from,
+            to,
+            &ClientRun {
+                bytes: 1000,
+                limit: Duration::from_secs(20),
+                ..ClientRun::default()
+            },
+        );
+        assert!(
+            done.stdout.contains("RESULT ok"),
+            "connection {i} to {to} failed {during}: {done:?}"
+        );
+    }
+}
+
 /// What a `zt-hostile stall` saw.
 #[derive(Debug)]
 struct Stalled {
@@ -538,9 +573,7 @@ fn hbone_handshakes_in_progress_are_limited_and_counted_on_the_server() {
     let cg = TestCgroup::create(&format!("{}/metrics-client", cluster.prefix()));
 
     let hbone = SocketAddr::from((b1.ip, 15008));
-    let mut slowloris = stall(cluster.pod("plain"), hbone, STALLED, 5, 8);
-    let opened = slowloris.read_line(Duration::from_secs(30));
-    assert!(opened.starts_with("OPENED "), "{opened}");
+    let slowloris = stall_opened(cluster.pod("plain"), hbone, STALLED, 5, 8);
     let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(
         value(&text, "ztunnel_hbone_pending_handshakes"),
@@ -937,15 +970,13 @@ fn a_handshake_flood_against_some_pods_leaves_the_others_reachable() {
     let _server = flows::server_with(b2, to_b2, "echo", true);
 
     // More silent connections to b1 than the whole node has places.
-    let mut flood = stall(
+    let flood = stall_opened(
         cluster.pod("plain"),
         SocketAddr::from((b1.ip, 15008)),
         FLOOD_COUNT,
         5,
         20,
     );
-    let opened = flood.read_line(Duration::from_secs(30));
-    assert!(opened.starts_with("OPENED "), "{opened}");
     // The client's connects are done; ztunnel may still be accepting them.
     let series = "ztunnel_pod_limit_reached_total{pod=\"b1\",limit=\"pod_hbone_handshakes\"}";
     wait_for_value(
@@ -964,15 +995,13 @@ fn a_handshake_flood_against_some_pods_leaves_the_others_reachable() {
     );
     assert_eq!(reached(&text, "hbone_handshakes"), 0, "{text}");
     // A second flood, within b3's share, takes the rest of the node's.
-    let mut second = stall(
+    let second = stall_opened(
         cluster.pod("plain"),
         SocketAddr::from((b3.ip, 15008)),
         FLOOD_NODE - FLOOD_PER_POD,
         5,
         20,
     );
-    let opened = second.read_line(Duration::from_secs(30));
-    assert!(opened.starts_with("OPENED "), "{opened}");
     wait_for_value(
         &cluster,
         b,
@@ -984,21 +1013,7 @@ fn a_handshake_flood_against_some_pods_leaves_the_others_reachable() {
     // Meanwhile b2's peers connect: the first opens an HBONE connection to
     // b2, taking the oldest place of a flooded pod (b2 holds none), the
     // others ride on it.
-    for i in 0..10 {
-        let done = flows::client(
-            a1,
-            to_b2,
-            &ClientRun {
-                bytes: 1000,
-                limit: Duration::from_secs(20),
-                ..ClientRun::default()
-            },
-        );
-        assert!(
-            done.stdout.contains("RESULT ok"),
-            "connection {i} to b2 failed during the floods against b1 and b3: {done:?}"
-        );
-    }
+    all_connect(a1, to_b2, 10, "during the floods against b1 and b3");
     let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(
         value(&text, series),
@@ -1065,15 +1080,13 @@ fn under_node_pressure_connections_in_their_handshake_go_first() {
     let (a1, b1, b2) = (cluster.pod("a1"), cluster.pod("b1"), cluster.pod("b2"));
     let to_b2 = SocketAddr::from((b2.ip, 8080));
     let _server = flows::server_with(b2, to_b2, "echo", true);
-    let mut flood = stall(
+    let flood = stall_opened(
         cluster.pod("plain"),
         SocketAddr::from((b1.ip, 15008)),
         PRESSURE_NODE,
         5,
         20,
     );
-    let opened = flood.read_line(Duration::from_secs(30));
-    assert!(opened.starts_with("OPENED "), "{opened}");
     wait_for_value(
         &cluster,
         b,
@@ -1081,21 +1094,7 @@ fn under_node_pressure_connections_in_their_handshake_go_first() {
         "ztunnel_accepted_connections",
         PRESSURE_NODE as u64,
     );
-    for i in 0..10 {
-        let done = flows::client(
-            a1,
-            to_b2,
-            &ClientRun {
-                bytes: 1000,
-                limit: Duration::from_secs(20),
-                ..ClientRun::default()
-            },
-        );
-        assert!(
-            done.stdout.contains("RESULT ok"),
-            "connection {i} to b2 failed while silent handshakes filled the node: {done:?}"
-        );
-    }
+    all_connect(a1, to_b2, 10, "while silent handshakes filled the node");
     let text = Ztunnel::metrics_of(&cluster, b, &cg);
     assert_eq!(reached(&text, "node_connections"), 0, "{text}");
     // The first client needed three places (15001, the HBONE connection,

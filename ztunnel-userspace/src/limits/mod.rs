@@ -526,6 +526,18 @@ mod tests {
         )
     }
 
+    /// `per_node` HBONE handshake places, `per_pod` of them to one pod.
+    fn handshake_places(per_node: usize, per_pod: usize) -> Arc<NodeLimits> {
+        NodeLimits::new(
+            Limits {
+                hbone_handshakes: per_node,
+                hbone_handshakes_per_pod: per_pod,
+                ..Limits::default()
+            },
+            Metrics::new(),
+        )
+    }
+
     #[test]
     fn a_pods_legs_share_is_its_own_and_comes_back() {
         let node = limits(10, 10);
@@ -609,14 +621,7 @@ mod tests {
 
     #[test]
     fn a_pod_flooded_with_handshakes_leaves_the_rest_of_the_node_to_others() {
-        let node = NodeLimits::new(
-            Limits {
-                hbone_handshakes: 4,
-                hbone_handshakes_per_pod: 2,
-                ..Limits::default()
-            },
-            Metrics::new(),
-        );
+        let node = handshake_places(4, 2);
         let (victim, other) = (node.pod("victim"), node.pod("other"));
         let flood: Vec<_> = (0..2)
             .map(|_| victim.handshake().expect("within the pod's share"))
@@ -646,14 +651,7 @@ mod tests {
 
     #[test]
     fn when_the_nodes_handshake_places_are_full_the_largest_holder_makes_room() {
-        let node = NodeLimits::new(
-            Limits {
-                hbone_handshakes: 4,
-                hbone_handshakes_per_pod: 2,
-                ..Limits::default()
-            },
-            Metrics::new(),
-        );
+        let node = handshake_places(4, 2);
         let (a, b) = (node.pod("a"), node.pod("b"));
         let mut flood: Vec<_> = [&a, &a, &b, &b]
             .iter()
